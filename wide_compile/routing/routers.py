@@ -251,5 +251,17 @@ def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> t
         u = torch.rand_like(logits).clamp_(1e-6, 1 - 1e-6)
         logits = logits + (torch.log(u) - torch.log1p(-u))
     soft = torch.sigmoid(logits / tau)
-    hard = (soft > 0.5).to(soft.dtype)
-    return hard + soft - soft.detach()
+    return _StraightThrough.apply(soft)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: exact 0/1 (soft > 0.5); backward: identity onto `soft` (`hard + soft - soft.detach()`
+    would leave values like 0.99999994 in the forward)."""
+
+    @staticmethod
+    def forward(ctx, soft):
+        return (soft > 0.5).to(soft.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
