@@ -82,18 +82,40 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
 
     gguf = find_gguf(gguf_path, download=download)
     hf_dir = cache_dir() / "smollm2-135m-instruct-hf"
-    if (hf_dir / "model.safetensors").is_file() and (hf_dir / "tokenizer_config.json").is_file():
-        model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-        tok = tf.AutoTokenizer.from_pretrained(hf_dir)
-    else:
+    try:
+        model, tok = _load_cached(hf_dir)
+    except (OSError, ValueError, KeyError):
         model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        try:  # cache the dequantised weights; a failure here only costs speed next time
-            model.save_pretrained(hf_dir)
-            tok.save_pretrained(hf_dir)
-        except OSError:
-            pass
+        _save_cached(model, tok, hf_dir)
     model.config._attn_implementation = "sdpa"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.to(device=device, dtype=dtype).eval(), tok
+
+
+def _save_cached(model, tok, hf_dir: Path) -> None:
+    """Cache the dequantised weights as safetensors (transformers refuses save_pretrained on GGUF-loaded
+    models); a failure here only costs speed next time."""
+    from safetensors.torch import save_model
+
+    try:
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (hf_dir / "config.json").write_text(__import__("json").dumps(cfg))
+        tok.save_pretrained(hf_dir)
+        save_model(model, str(hf_dir / "model.part"), metadata={"format": "pt"})
+        (hf_dir / "model.part").rename(hf_dir / "model.safetensors")
+    except OSError:
+        pass
+
+
+def _load_cached(hf_dir: Path):
+    import transformers as tf
+
+    if not (hf_dir / "model.safetensors").is_file():
+        raise OSError("no cached copy")
+    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tok = tf.AutoTokenizer.from_pretrained(hf_dir)
+    return model, tok
