@@ -91,6 +91,21 @@ def _group_lists_kernel(mask_ptr, cnt_ptr, sorted_ptr, bgroup_ptr, ntpp_ptr, T, 
         tl.store(ntpp_ptr, total.to(tl.int32))
 
 
+# Tests set this to True: every buffer a kernel is supposed to write is NaN/garbage-filled first,
+# so an unwritten element (or a read of an unwritten intermediate) fails the comparison.
+POISON = False
+
+
+def alloc(shape, dtype, device):
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        if dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-12345)
+    return t
+
+
 def _launcher(kernel, wrap):
     if not wrap:
         return kernel
@@ -105,8 +120,8 @@ def tile_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
     m8 = mask.contiguous().view(torch.uint8)
-    tg = torch.empty((n_tiles, G), dtype=torch.int32, device=mask.device)
-    tc = torch.empty((n_tiles,), dtype=torch.int32, device=mask.device)
+    tg = alloc((n_tiles, G), torch.int32, mask.device)
+    tc = alloc((n_tiles,), torch.int32, mask.device)
     _launcher(_tile_lists_kernel, wrap)[(n_tiles,)](
         m8, tg, tc, T, G=G, BM=block_m, GP2=triton.next_power_of_2(G))
     return tg, tc
@@ -117,10 +132,10 @@ def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     n_tiles = triton.cdiv(T, block_m)
     P = G * n_tiles * block_m
     m8 = mask.contiguous().view(torch.uint8)
-    cnt = torch.empty((G,), dtype=torch.int32, device=mask.device)
-    sorted_ids = torch.empty((P,), dtype=torch.int32, device=mask.device)
-    bgroups = torch.empty((G * n_tiles,), dtype=torch.int32, device=mask.device)
-    ntpp = torch.empty((1,), dtype=torch.int32, device=mask.device)
+    cnt = alloc((G,), torch.int32, mask.device)
+    sorted_ids = alloc((P,), torch.int32, mask.device)
+    bgroups = alloc((G * n_tiles,), torch.int32, mask.device)
+    ntpp = alloc((1,), torch.int32, mask.device)
     BT = min(1024, max(16, triton.next_power_of_2(T)))
     _launcher(_group_counts_kernel, wrap)[(G,)](m8, cnt, T, G=G, BT=BT)
     _launcher(_group_lists_kernel, wrap)[(G,)](

@@ -1,0 +1,152 @@
+"""Triton WIDE kernels vs the float64 reference, run on CPU under the Triton interpreter.
+
+Tolerances (relative L2 error against a float64 reference computed from the same rounded inputs):
+fp32 <= 1e-4 (interpreter dots are exact fp32; on GPU fp32 uses ieee dots), bf16 <= 2e-2.
+Every buffer a kernel must write is NaN/garbage-poisoned first (mask_reorder.POISON), including
+the MLP intermediate h, so an unwritten output or a read of an unwritten h element fails.
+"""
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from wide_compile.kernels import reference as R  # noqa: E402
+from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
+from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
+
+MR = importlib.import_module("wide_compile.kernels.mask_reorder")
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
+    pytestmark = pytest.mark.skip("these tests need TRITON_INTERPRET=1 (set before triton import)")
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+DENSITIES = [0.0, "one", 0.3, 0.5, 0.9, 1.0]
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    MR.POISON = True
+    yield
+    MR.POISON = False
+
+
+def make_mask(T, G, density, gen):
+    if density == "one":
+        m = torch.zeros(T, G, dtype=torch.bool)
+        m[torch.arange(T), torch.randint(0, G, (T,), generator=gen)] = True
+        return m
+    return torch.rand(T, G, generator=gen) < density
+
+
+def rel(out, ref):
+    assert torch.isfinite(out).all(), "non-finite output (unwritten/poisoned element?)"
+    num = (out.double() - ref.double()).norm()
+    den = ref.double().norm()
+    return (num / den).item() if den > 0 else num.item()
+
+
+def check(out, ref, dtype):
+    e = rel(out, ref)
+    assert e <= TOL[dtype], e
+
+
+def mlp_case(T, D, G, gs, density, dtype, config, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    F = G * gs
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    wg = (torch.randn(F, D, generator=gen) / D ** 0.5).to(dtype)
+    wu = (torch.randn(F, D, generator=gen) / D ** 0.5).to(dtype)
+    wd = (torch.randn(F, D, generator=gen) / F ** 0.5).to(dtype)
+    m = make_mask(T, G, density, gen)
+    out = mlp_triton(x, wg, wu, wd, m, gs, config=config)
+    assert out.shape == (T, D) and out.dtype == dtype
+    if dtype == torch.float32:
+        ref = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs)
+    else:  # same intermediate rounding as the kernel (h in bf16), fp64 math otherwise
+        ref = R.mlp_ref(x, wg, wu, wd, m, gs).double()
+        ref64 = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs)
+        check(out, ref64, dtype)
+    check(out, ref, dtype)
+    if not m.any():
+        assert (out == 0).all()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("T", [1, 3, 17, 130])
+def test_mlp_default_path(T, density, dtype):
+    mlp_case(T, D=48, G=4, gs=32, density=density, dtype=dtype, config=None)
+
+
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted"])
+@pytest.mark.parametrize("gs", [16, 64, 24])
+@pytest.mark.parametrize("T", [1, 17, 130])
+def test_mlp_paths_group_sizes(T, gs, path):
+    G = max(2, 128 // gs)
+    mlp_case(T, D=40, G=G, gs=gs, density=0.5, dtype=torch.float32, config={"path": path}, seed=T + gs)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(path="tile", up_bm=32, up_bn=16, up_bk=16, dn_bm=32, dn_bn=16, dn_bk=16, dn_split=1),
+    dict(path="sorted", up_bm=16, up_bn=64, up_bk=64, dn_bm=16, dn_bn=64, dn_bk=32, dn_split=3),
+    dict(path="decode", up_bm=16, up_bn=16, up_bk=128, dn_bm=16, dn_bn=16, dn_bk=64, dn_split=4),
+])
+def test_mlp_configs_odd_sizes(cfg):
+    # odd D (not a multiple of BK), group size not a multiple of the tile, T not a multiple of BM
+    mlp_case(T=37, D=27, G=3, gs=48, density=0.5, dtype=torch.float32, config=cfg)
+
+
+def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    Nq = G * cols
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    wq = (torch.randn(Nq, D, generator=gen) / D ** 0.5).to(dtype)
+    bq = torch.randn(Nq, generator=gen).to(dtype) if bias else None
+    a = torch.randn(T, Nq, generator=gen).to(dtype)
+    wo = (torch.randn(Nq, D, generator=gen) / Nq ** 0.5).to(dtype)
+    bo = torch.randn(D, generator=gen).to(dtype) if bias else None
+    m = make_mask(T, G, density, gen)
+    d = torch.float64
+    q = q_proj_triton(x, wq, bq, m, cols, config=config)
+    assert q.shape == (T, Nq)
+    check(q, R.q_proj_ref(x.to(d), wq.to(d), None if bq is None else bq.to(d), m, cols), dtype)
+    assert (q[R.expand_mask(~m, cols)] == 0).all(), "inactive q columns must be exactly 0"
+    o = o_proj_triton(a, wo, bo, m, cols, config=config)
+    assert o.shape == (T, D)
+    check(o, R.o_proj_ref(a.to(d), wo.to(d), None if bo is None else bo.to(d), m, cols), dtype)
+    # poison inactive input columns of a: they must never be read
+    a2 = a.clone()
+    a2[R.expand_mask(~m, cols)] = float("nan")
+    o2 = o_proj_triton(a2, wo, bo, m, cols, config=config)
+    check(o2, R.o_proj_ref(a.to(d), wo.to(d), None if bo is None else bo.to(d), m, cols), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("T", [1, 3, 17, 130])
+def test_attn_proj(T, density, dtype):
+    attn_case(T, D=40, G=4, cols=32, density=density, dtype=dtype, bias=(T % 2 == 1), seed=T)
+
+
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted"])
+@pytest.mark.parametrize("cols", [16, 48, 128])
+def test_attn_paths_cols(cols, path):
+    attn_case(T=19, D=24, G=3, cols=cols, density=0.5, dtype=torch.float32, bias=True,
+              config={"path": path}, seed=cols)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16, 64])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("T,G", [(1, 5), (3, 7), (17, 12), (130, 24)])
+def test_mask_reorder_triton(T, G, density, block_m):
+    gen = torch.Generator().manual_seed(T * 7 + G)
+    m = make_mask(T, G, density, gen)
+    got = MR.mask_reorder_triton(m, block_m)
+    exp = R.mask_reorder_ref(m, block_m)
+    for g, e, name in zip(got, exp, ["tile_groups", "tile_counts", "sorted_token_ids", "block_groups", "ntpp"]):
+        assert g.dtype == torch.int32, name
+        assert torch.equal(g, e), name

@@ -1,0 +1,45 @@
+"""Compact attention projections (q_proj / o_proj) over head groups.
+
+Attention itself stays dense (SDPA over all heads; K, V always dense): only q_proj computes the
+active head groups' columns (inactive columns are written as exactly 0) and o_proj reads only the
+active groups' input columns / rows of o_proj.weight.T.  See benchmarks/KERNELS_NOTES.md for
+what dense attention costs next to the projections.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .compact_mlp import default_config, ngather, kskip
+
+
+def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
+                  config: Optional[dict] = None, wrap: bool = False):
+    """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G] -> [T, Nq] (inactive columns = 0)."""
+    T, D = x.shape
+    Nq = w_q.shape[0]
+    G = Nq // group_cols
+    cfg = dict(default_config(T, D, Nq, group_cols, Nq))
+    if config:
+        cfg.update(config)
+    x = x.contiguous()
+    mask8 = mask.contiguous().view(torch.uint8)
+    out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
+    ngather(x, w_q, None, b_q, out, mask8, G, group_cols, cfg, gated=False,
+            zero_inactive=False, wrap=wrap)
+    return out
+
+
+def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, *,
+                  config: Optional[dict] = None, wrap: bool = False):
+    """a [T, Nq], w_o_t [Nq, D], b_o [D] or None, mask [T, G] -> [T, D]."""
+    T, Nq = a.shape
+    D = w_o_t.shape[1]
+    G = Nq // group_rows
+    cfg = dict(default_config(T, D, Nq, group_rows, D))
+    if config:
+        cfg.update(config)
+    a = a.contiguous()
+    mask8 = mask.contiguous().view(torch.uint8)
+    return kskip(a, w_o_t, b_o, mask8, G, group_rows, cfg, a.dtype, wrap)

@@ -1,0 +1,242 @@
+"""Compact (group-sparse) MLP kernels.
+
+Two generic Triton kernels, shared with the attention projections (compact_attn.py):
+
+``_ngather_kernel`` -- output columns are grouped (gate/up rows of W [F, D], q rows of Wq):
+  * tile mode (SORTED=False): program (m, j, sub) handles token tile m (BM consecutive tokens)
+    and the j-th group active for any token of the tile (``tile_groups``); weights of a group are
+    read once per tile, inactive (token, group) pairs are masked at the store. With T <= BM this
+    is the decode gather-GEMV: only active groups' weight rows are read, nothing is copied.
+  * sorted mode (SORTED=True): program (b, sub) handles block b of the group-major padded token
+    list (``sorted_token_ids``/``block_groups``): an "expert" GEMM with indirect row loads of x,
+    N = group size.  Only active (token, group) pairs are computed (prefill, random masks).
+  GATED: out = silu(x W1^T) * (x W2^T); else out = x W1^T + b.
+
+``_kskip_kernel`` -- reduction side (down_proj over K=F, o_proj over K=Nq): token-major GEMM,
+  program (m, n, s) loops over the groups active for any token of tile m (split s of them when
+  SPLIT > 1, fp32 atomics) and skips the rest; per-token activity is applied as a load mask on
+  the A rows (so unwritten/garbage A values of inactive pairs are never read).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .mask_reorder import _launcher, alloc, tile_lists_triton, group_lists_triton
+
+
+@triton.jit(do_not_specialize=["T"])
+def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
+                    idx_ptr, cnt_ptr, sorted_ptr, ntpp_ptr,
+                    T, D, stride_x, stride_w, stride_o,
+                    G: tl.constexpr, GS: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if SORTED:
+        b = tl.program_id(0)
+        sub = tl.program_id(1)
+        ntpp = tl.load(ntpp_ptr)
+        if b * BM >= ntpp:
+            return
+        g = tl.load(idx_ptr + b)
+        rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+        rvalid = rows < T
+        smask = rvalid
+    else:
+        m = tl.program_id(0)
+        j = tl.program_id(1)
+        sub = tl.program_id(2)
+        cnt = tl.load(cnt_ptr + m)
+        if j >= cnt:
+            return
+        g = tl.load(idx_ptr + m * G + j)
+        rows = m * BM + tl.arange(0, BM)
+        rvalid = rows < T
+        act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        if ZERO_INACTIVE:
+            smask = rvalid
+        else:
+            smask = rvalid & act
+    cin = sub * BN + tl.arange(0, BN)
+    cvalid = cin < GS
+    cols = g * GS + cin
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    if GATED:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        kv = k < D
+        a = tl.load(x_ptr + rows64[:, None] * stride_x + k[None, :],
+                    mask=rvalid[:, None] & kv[None, :], other=0.0)
+        w1 = tl.load(w1_ptr + cols64[:, None] * stride_w + k[None, :],
+                     mask=cvalid[:, None] & kv[None, :], other=0.0)
+        if UPCAST:  # the Triton CPU interpreter mis-computes bf16 dots: exact upcast to fp32
+            a = a.to(tl.float32)
+            w1 = w1.to(tl.float32)
+        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
+        if GATED:
+            w2 = tl.load(w2_ptr + cols64[:, None] * stride_w + k[None, :],
+                         mask=cvalid[:, None] & kv[None, :], other=0.0)
+            if UPCAST:
+                w2 = w2.to(tl.float32)
+            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
+    if GATED:
+        y = acc1 * tl.sigmoid(acc1) * acc2
+    else:
+        y = acc1
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)[None, :]
+    y = y.to(out_ptr.dtype.element_ty)
+    if not SORTED:
+        if ZERO_INACTIVE:
+            y = tl.where(act[:, None], y, 0.0)
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols64[None, :], y,
+             mask=smask[:, None] & cvalid[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
+                  T, N, stride_a, stride_w, stride_o,
+                  G: tl.constexpr, GS: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    m = tl.program_id(0)
+    n = tl.program_id(1)
+    s = tl.program_id(2)
+    rows = m * BM + tl.arange(0, BM)
+    rvalid = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = n * BN + tl.arange(0, BN)
+    cvalid = cols < N
+    cnt = tl.load(tc_ptr + m)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in range(s, cnt, SPLIT):
+        g = tl.load(tg_ptr + m * G + j)
+        act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        for kk in tl.static_range(0, GS, BK):
+            kin = kk + tl.arange(0, BK)
+            kv = kin < GS
+            k = (g * GS + kin).to(tl.int64)
+            a = tl.load(a_ptr + rows64[:, None] * stride_a + k[None, :],
+                        mask=act[:, None] & kv[None, :], other=0.0)
+            w = tl.load(w_ptr + k[:, None] * stride_w + cols[None, :],
+                        mask=kv[:, None] & cvalid[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PREC)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)
+        acc += tl.where(s == 0, bias, 0.0)[None, :]
+    optr = out_ptr + rows64[:, None] * stride_o + cols[None, :]
+    omask = rvalid[:, None] & cvalid[None, :]
+    if ATOMIC:
+        tl.atomic_add(optr, acc, mask=omask)
+    else:
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# ----------------------------------------------------------------------------- configs
+
+def _prec(dtype):
+    return "ieee" if (dtype == torch.float32 or _interpret()) else "tf32"
+
+
+def _pow2_le(n, cap):
+    p = 1
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return max(p, 16)
+
+
+def _interpret():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Decode threshold: T <= DECODE_T uses one token tile (gather-GEMV), larger T the prefill kernels.
+DECODE_T = 16
+
+
+def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: bool = False):
+    """Kernel tile config.  Tuned on the H200 (see benchmarks/KERNELS_NOTES.md)."""
+    gs2 = triton.next_power_of_2(group_size)
+    if small or _interpret():
+        return dict(path="decode" if T <= DECODE_T else "sorted", up_bm=16, up_bn=min(32, gs2), up_bk=32,
+                    dn_bm=16, dn_bn=32, dn_bk=min(32, gs2), dn_split=2 if T <= DECODE_T else 1,
+                    up_warps=4, up_stages=1, dn_warps=4, dn_stages=1)
+    if T <= DECODE_T:
+        return dict(path="decode", up_bm=16, up_bn=min(32, gs2), up_bk=256,
+                    dn_bm=16, dn_bn=64, dn_bk=min(64, gs2), dn_split=4,
+                    up_warps=4, up_stages=3, dn_warps=4, dn_stages=3)
+    return dict(path="sorted", up_bm=64 if T <= 256 else 128, up_bn=min(64, gs2), up_bk=64,
+                dn_bm=64 if T <= 256 else 128, dn_bn=128, dn_bk=min(64, gs2), dn_split=1,
+                up_warps=4, up_stages=3, dn_warps=8, dn_stages=3)
+
+
+def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap):
+    """Launch the grouped-output kernel; ``out`` [T, G*GS] is written for active pairs
+    (and zeros for inactive tokens of visited groups when zero_inactive)."""
+    T, D = x.shape
+    bm, bn, bk = cfg["up_bm"], cfg["up_bn"], cfg["up_bk"]
+    nsub = triton.cdiv(GS, bn)
+    prec = _prec(x.dtype)
+    k = _launcher(_ngather_kernel, wrap)
+    w2_ = w2 if w2 is not None else w1
+    b_ = bias if bias is not None else w1
+    if cfg["path"] == "sorted":
+        sorted_ids, bgroups, ntpp = group_lists_triton(mask8.view(torch.bool), bm, wrap)
+        k[(bgroups.shape[0], nsub)](
+            x, w1, w2_, b_, out, mask8, bgroups, bgroups, sorted_ids, ntpp,
+            T, D, x.stride(0), w1.stride(0), out.stride(0),
+            G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
+            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+    else:
+        tg, tc = tile_lists_triton(mask8.view(torch.bool), bm, wrap)
+        k[(tg.shape[0], G, nsub)](
+            x, w1, w2_, b_, out, mask8, tg, tc, tg, tc,
+            T, D, x.stride(0), w1.stride(0), out.stride(0),
+            G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=False, GATED=gated, HAS_BIAS=bias is not None,
+            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+
+
+def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap):
+    """out[T, N] = sum over active groups of a[:, grp] @ w_t[grp] (+ bias once)."""
+    T = a.shape[0]
+    N = w_t.shape[1]
+    bm, bn, bk, split = cfg["dn_bm"], cfg["dn_bn"], cfg["dn_bk"], cfg["dn_split"]
+    tg, tc = tile_lists_triton(mask8.view(torch.bool), bm, wrap)
+    atomic = split > 1
+    if atomic:
+        out = torch.zeros((T, N), dtype=torch.float32, device=a.device)
+    else:
+        out = alloc((T, N), out_dtype, a.device)
+    b_ = bias if bias is not None else w_t
+    _launcher(_kskip_kernel, wrap)[(tg.shape[0], triton.cdiv(N, bn), split)](
+        a, w_t, b_, out, mask8, tg, tc, T, N, a.stride(0), w_t.stride(0), out.stride(0),
+        G=G, GS=GS, BM=bm, BN=bn, BK=bk, SPLIT=split, HAS_BIAS=bias is not None, ATOMIC=atomic,
+        PREC=_prec(a.dtype), UPCAST=_interpret(), num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+    return out.to(out_dtype) if atomic else out
+
+
+def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Optional[dict] = None,
+               wrap: bool = False):
+    """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]."""
+    T, D = x.shape
+    F = w_gate.shape[0]
+    G = F // group_size
+    cfg = dict(default_config(T, D, F, group_size, D))
+    if config:
+        cfg.update(config)
+    x = x.contiguous()
+    mask8 = mask.contiguous().view(torch.uint8)
+    h = alloc((T, F), x.dtype, x.device)
+    ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap)
+    return kskip(h, w_down_t, None, mask8, G, group_size, cfg, x.dtype, wrap)
