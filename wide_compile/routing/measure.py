@@ -44,3 +44,14 @@ def capacity_from_record(routers, rec: dict, attention_mask=None, model=None) ->
     if emb is not None:
         out["lm_head_flops_per_token"] = 2 * emb.shape[0] * emb.shape[1]  # reported, not counted
     return out
+
+
+def per_token_capacity(routers, rec: dict) -> torch.Tensor:
+    """Capacity of each token position [N] (all forward calls concatenated in order, batch flattened):
+    the FLOP fraction of the whole layer stack that token executed (routers counted)."""
+    cost = FlopCost.from_routers(routers)
+    executed = 0
+    for i in range(cost.spec.num_layers):
+        a, f = _fractions(rec["attn"][i]), _fractions(rec["ffn"][i])
+        executed = executed + a * cost.qo + cost.kv + cost.router_attn[i] + f * cost.ffn + cost.router_ffn[i]
+    return executed / (cost.spec.num_layers * cost.dense_layer)
