@@ -1,0 +1,129 @@
+"""optimize() and explain(): the user-facing side of the `wide` backend."""
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .routing import Routers, attach, attached_routers
+
+
+def _is_hf_llama(model: nn.Module) -> bool:
+    from .models.spec import decoder_layers
+
+    try:
+        decoder_layers(model)
+        return True
+    except ValueError:
+        return False
+
+
+def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool | None = None,
+             fullgraph: bool = False, **options) -> nn.Module:
+    """Compile `model` with the `wide` backend and return it (compiled in place with nn.Module.compile, so
+    `model(...)` and `model.generate(...)` both run the compiled graph).
+
+    routers: attached first when given (HF Llama-family models: the traced graph then carries the routers,
+             the pass rewrites it); for other models (e.g. a gpt-fast-style Llama) the routers are inserted
+             into the dense traced graph by layer order (needs one full graph: fullgraph=True is implied).
+             Without routers the model must already have routers attached: otherwise ValueError.
+    dynamic / fullgraph: as in torch.compile (dynamic=None: automatic dynamic shapes after the first recompile).
+    options: see wide_compile.backend (strict, mode="reduce-overhead" for CUDA graphs, Inductor patches).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
+    if routers is not None and not isinstance(routers, Routers):
+        raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
+    from . import backend as _backend
+
+    reports: list = []
+    backend_opts = dict(options)
+    if routers is not None:
+        if _is_hf_llama(model):
+            attach(model, routers)
+        else:
+            p = next(model.parameters(), None)
+            if p is not None:
+                routers.to(device=p.device)
+            backend_opts["routers"] = routers
+            fullgraph = True
+    elif attached_routers(model) is None:
+        raise ValueError(
+            f"{type(model).__name__} has no WIDE routers: pass routers (wide_compile.optimize(model, routers)) or "
+            "attach them first (wide_compile.attach(model, routers)); make routers with "
+            "wide_compile.Routers.init(model, cfg) / Routers.load(path, model)")
+    backend_opts["report"] = reports.append
+    object.__setattr__(model, "_wide_reports", reports)
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None and hasattr(gen_cfg, "disable_compile"):
+        # generate() would otherwise wrap the already compiled model in a second (plain Inductor) compile
+        gen_cfg.disable_compile = True
+    model.compile(backend=functools.partial(_backend.wide_backend, **backend_opts), dynamic=dynamic,
+                  fullgraph=fullgraph)
+    return model
+
+
+@dataclass
+class Explanation:
+    """What the WIDE passes detected, rewrote and left dense, per compiled graph and per layer."""
+    graphs: list = field(default_factory=list)   # GraphReport per Dynamo graph
+    warnings: list = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[dict]:
+        rows = []
+        for g in self.graphs:
+            for r in g.layers():
+                rows.append({**r, "layer": len(rows)})
+        return rows
+
+    @property
+    def counts(self) -> dict:
+        c: dict = {}
+        for g in self.graphs:
+            for k, v in g.counts.items():
+                c[k] = c.get(k, 0) + v
+        return c
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "WIDE: no graph compiled yet"
+        return "\n".join(str(g) for g in self.graphs)
+
+    __repr__ = __str__
+
+
+def explain(model: nn.Module, *args, routers: Routers | None = None, **kwargs) -> Explanation:
+    """Report per layer what the `wide` passes detect, rewrite and leave dense.
+
+    For a model returned by `optimize` that has already run, the reports of its compiled graphs are returned.
+    Otherwise the model is traced once (Dynamo, no Inductor) on the given inputs, by default
+    input_ids = zeros(1, 8), and the passes are run on that graph.
+    """
+    reports = getattr(model, "_wide_reports", None)
+    if reports and not args and not kwargs and routers is None:
+        return Explanation(graphs=list(reports))
+    from . import backend as _backend
+
+    if routers is None and attached_routers(model) is None:
+        raise ValueError(f"{type(model).__name__} has no WIDE routers: pass routers=... or attach them first")
+    if not args and not kwargs:
+        p = next(model.parameters())
+        kwargs = {"input_ids": torch.zeros(1, 8, dtype=torch.long, device=p.device)}
+    out: list = []
+    opts = {"inductor": False, "report": out.append}
+    if routers is not None:
+        if _is_hf_llama(model) and attached_routers(model) is None:
+            raise ValueError("explain(model, routers=...) on an HF model: attach the routers first "
+                             "(wide_compile.attach) so the traced graph matches optimize()")
+        opts["routers"] = routers
+    fn = torch.compile(model, backend=functools.partial(_backend.wide_backend, **opts),
+                       fullgraph=routers is not None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            fn(*args, **kwargs)
+    return Explanation(graphs=out, warnings=[str(w.message) for w in caught if "wide_compile" in str(w.message)])

@@ -1,0 +1,84 @@
+"""The `wide` torch.compile backend.
+
+    torch.compile(model, backend="wide")                       # routers attached (wide_compile.attach)
+    torch.compile(fn, backend=functools.partial(wide_backend, routers=routers))   # dense graph + routers
+
+Runs the WIDE pass manager on the Dynamo FX graph (before AOT autograd: detect SwiGLU MLP / attention
+blocks, insert routers if needed, rewrite into torch.ops.wide.*), then hands the graph to Inductor's
+`compile_fx`, so everything else is standard Inductor (on the CPU too).
+
+Options (keyword arguments, or torch.compile(..., options={...})):
+    routers        wide_compile.Routers for a dense graph (form B); ignored when the graph holds traced routers
+    strict         raise instead of warning when a block has to stay dense (default False)
+    inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
+    report         callable receiving the GraphReport of every compiled graph
+    mode           torch.compile mode for Inductor ("default", "reduce-overhead", "max-autotune", ...)
+    anything else  Inductor config patches (e.g. {"triton.cudagraphs": True})
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from .passes import PassManager, counters
+from .passes._ops import missing_ops
+
+log = logging.getLogger("wide_compile.backend")
+
+#: reports of the most recently compiled graphs (newest last)
+RECENT_REPORTS: deque = deque(maxlen=64)
+
+_OWN = ("routers", "strict", "inductor", "report", "mode")
+
+
+def _split_options(options: dict) -> tuple[dict, dict]:
+    opts = dict(options)
+    nested = opts.pop("options", None) or {}
+    opts = {**nested, **opts}
+    own = {k: opts.pop(k) for k in _OWN if k in opts}
+    return own, opts
+
+
+def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
+    own, inductor_patches = _split_options(options)
+    missing = missing_ops()
+    if missing:
+        msg = (f"wide_compile: the WIDE kernel ops {missing} are not available from wide_compile.kernels; "
+               "the graph is compiled without the WIDE rewrite")
+        if own.get("routers") is not None:  # a dense graph would silently lose its routing: refuse
+            raise RuntimeError(msg + " (and a dense graph cannot be routed without them)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    else:
+        ctx = PassManager().run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")))
+        RECENT_REPORTS.append(ctx.report)
+        if own.get("report") is not None:
+            own["report"](ctx.report)
+    counters()["compiled_graphs"] += 1
+    if own.get("inductor", True) is False:
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    mode = own.get("mode")
+    if mode and mode != "default":
+        from torch._inductor import list_mode_options
+
+        inductor_patches = {**list_mode_options(mode), **inductor_patches}
+    return compile_fx(gm, example_inputs, config_patches=inductor_patches or None)
+
+
+def _register() -> None:
+    from torch._dynamo.backends import registry
+
+    # When the entry point is being loaded by lookup_backend("wide"), that call registers the function
+    # itself; registering here too would be a duplicate.
+    if "wide" in registry._COMPILER_FNS or registry._BACKENDS.get("wide") is not None:
+        return
+    torch._dynamo.register_backend(compiler_fn=wide_backend, name="wide")
+
+
+_register()

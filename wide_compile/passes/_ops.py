@@ -1,0 +1,44 @@
+"""Graph-side wrappers around the WIDE kernel ops (wide_compile.kernels: wide_mlp / wide_q_proj /
+wide_o_proj, backed by torch.ops.wide.*). The passes insert calls to these N-d wrappers; AOT autograd
+traces through them, so the graph Inductor sees holds reshapes + the torch.ops.wide ops (T = all tokens)."""
+from __future__ import annotations
+
+OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj")
+
+
+def kernels():
+    import importlib
+
+    return importlib.import_module("wide_compile.kernels")
+
+
+def missing_ops() -> list[str]:
+    try:
+        K = kernels()
+    except Exception as e:  # pragma: no cover - import error in the kernels package
+        return [f"{o} (import failed: {e})" for o in OPS]
+    return [o for o in OPS if not callable(getattr(K, o, None))]
+
+
+def _flat_mask(mask, lead):
+    g = mask.shape[-1]
+    return mask.expand(*lead, g).reshape(-1, g)
+
+
+def wide_mlp_nd(x, w_gate, w_up, w_down_t, mask, group_size: int):
+    lead = x.shape[:-1]
+    out = kernels().wide_mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down_t, _flat_mask(mask, lead),
+                             group_size)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def wide_q_proj_nd(x, w_q, b_q, mask, group_cols: int):
+    lead = x.shape[:-1]
+    out = kernels().wide_q_proj(x.reshape(-1, x.shape[-1]), w_q, b_q, _flat_mask(mask, lead), group_cols)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def wide_o_proj_nd(a, w_o_t, b_o, mask, group_rows: int):
+    lead = a.shape[:-1]
+    out = kernels().wide_o_proj(a.reshape(-1, a.shape[-1]), w_o_t, b_o, _flat_mask(mask, lead), group_rows)
+    return out.reshape(*lead, out.shape[-1])
