@@ -111,7 +111,7 @@ def describe(n: fx.Node | None) -> str:
     if n is None:
         return "?"
     st = n.meta.get("stack_trace") or ""
-    line = [s.strip() for s in st.strip().splitlines() if s.strip()]
+    line = [s.strip() for s in st.strip().splitlines() if s.strip().strip("^~ ")]
     where = f" ({line[-1][:120]})" if line else ""
     src = n.meta.get("nn_module_stack")
     mod = ""

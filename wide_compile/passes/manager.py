@@ -172,8 +172,9 @@ def default_passes() -> list[Pass]:
 
 
 class PassManager:
-    def __init__(self, passes: Sequence[Pass] | None = None):
+    def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None):
         self.passes = list(passes) if passes is not None else default_passes()
+        self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
             options: dict | None = None) -> PassContext:
@@ -184,6 +185,8 @@ class PassManager:
         for p in self.passes:
             p(ctx)
             gm.graph.lint()
+        if self.check_leftovers:
+            _warn_leftovers(ctx)
         gm.recompile()
         ctx.report.nodes_after = len(gm.graph.nodes)
         ctx.report.ops_after = op_counts(gm)
@@ -192,6 +195,20 @@ class PassManager:
         counters()["graphs"] += 1
         log.info("%s", ctx.report)
         return ctx
+
+
+def _warn_leftovers(ctx: PassContext) -> None:
+    """A traced group-mask multiply that no pass consumed means a routed linear stays dense: say so."""
+    from ._graph import is_linear, linear_parts, match_group_mask
+
+    for n in ctx.gm.graph.nodes:
+        if is_linear(n):
+            x = linear_parts(n)[0]
+            if match_group_mask(x) is not None and not any(
+                    s.status == "fallback" and (getattr(s, "down", None) is n or getattr(s, "o", None) is n)
+                    for s in [*ctx.mlps, *ctx.attns]):
+                ctx.fallback("routed linear", n, "its input is group-masked but the surrounding block was not "
+                             "recognised as a SwiGLU MLP or an sdpa attention block")
 
 
 def _summarise(ctx: PassContext) -> None:
