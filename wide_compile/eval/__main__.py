@@ -1,0 +1,5 @@
+import sys
+
+from . import eval_main
+
+sys.exit(eval_main())

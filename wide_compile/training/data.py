@@ -1,0 +1,145 @@
+"""Training text for router training: ../shared/data/train-text (JSONL, "text" field, some .gz).
+
+The evaluation sets are never read here. Documents are tokenized, joined with the EOS token and cut into
+fixed-length blocks. A token cache (uint16/int32 .npy) can be written once and carried to the GPU machine
+so that no tokenization happens there (`python -m wide_compile.training.data --out tokens.npy`).
+The last `heldout_frac` of the stream (after a seeded document shuffle) is held out for calibration and
+analysis; training never sees it.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve()
+
+
+def default_data_root() -> Path | None:
+    """../shared/data relative to the checkout (or $WIDE_DATA_DIR), if it exists."""
+    env = os.environ.get("WIDE_DATA_DIR")
+    cands = [Path(env)] if env else []
+    repo = HERE.parents[2]
+    cands += [repo.parent / "shared" / "data", repo / ".data", Path.cwd() / ".data", Path.cwd().parent / "shared" / "data"]
+    for c in cands:
+        if c.is_dir():
+            return c
+    return None
+
+
+def train_text_files(path: str | os.PathLike | None = None) -> list[Path]:
+    root = Path(path) if path is not None else default_data_root()
+    if root is None:
+        raise FileNotFoundError("no training text: pass --data PATH (a folder of .jsonl/.jsonl.gz files) "
+                                "or set WIDE_DATA_DIR; default is ../shared/data/train-text")
+    if (root / "train-text").is_dir():
+        root = root / "train-text"
+    files = sorted(p for p in root.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
+    if not files:
+        raise FileNotFoundError(f"no .jsonl / .jsonl.gz files in {root}")
+    return files
+
+
+def iter_docs(files: list[Path]) -> Iterator[str]:
+    for p in files:
+        op = gzip.open if p.name.endswith(".gz") else open
+        with op(p, "rt", encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    t = json.loads(line).get("text", "")
+                    if t and t.strip():
+                        yield t
+
+
+def tokenize_corpus(tok, files: list[Path], max_tokens: int | None = None, seed: int = 0,
+                    batch: int = 256) -> np.ndarray:
+    """All documents (seeded shuffle), tokenized and joined with EOS, as one int array."""
+    docs = list(iter_docs(files))
+    random.Random(seed).shuffle(docs)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    out, n = [], 0
+    for i in range(0, len(docs), batch):
+        enc = tok(docs[i:i + batch], add_special_tokens=False)["input_ids"]
+        for ids in enc:
+            out.append(np.asarray(ids + [eos], dtype=np.int64))
+            n += len(ids) + 1
+        if max_tokens and n >= max_tokens:
+            break
+    arr = np.concatenate(out) if out else np.zeros(0, np.int64)
+    if max_tokens:
+        arr = arr[:max_tokens]
+    return arr.astype(np.uint16 if arr.size == 0 or arr.max() < 65535 else np.int32)
+
+
+class TokenBlocks:
+    """Fixed-length blocks of a token stream, split into train / held-out."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, heldout_frac: float = 0.02):
+        tokens = np.asarray(tokens)
+        nblk = len(tokens) // seq_len
+        if nblk < 2:
+            raise ValueError(f"only {len(tokens)} tokens: need at least 2 blocks of {seq_len}")
+        blocks = torch.from_numpy(tokens[: nblk * seq_len].astype(np.int64)).view(nblk, seq_len)
+        nh = max(1, int(round(nblk * heldout_frac)))
+        self.train, self.heldout, self.seq_len = blocks[:-nh], blocks[-nh:], seq_len
+
+    def batches(self, batch_size: int, steps: int, seed: int = 0, start: int = 0) -> Iterator[torch.Tensor]:
+        """`steps` batches (seeded; epoch-wise permutation), skipping the first `start` (for resuming)."""
+        g = torch.Generator().manual_seed(seed)
+        n, pos = len(self.train), 0
+        perm = torch.randperm(n, generator=g)
+        for step in range(steps):
+            if pos + batch_size > n:
+                perm, pos = torch.randperm(n, generator=g), 0
+            idx = perm[pos:pos + batch_size]
+            pos += batch_size
+            if step >= start:
+                yield self.train[idx]
+
+
+def load_tokens(tok=None, data: str | os.PathLike | None = None, cache: str | os.PathLike | None = None,
+                max_tokens: int | None = None) -> np.ndarray:
+    """Token stream: from `cache` (.npy) if it exists, else tokenized from the train-text files (and written
+    to `cache` when given)."""
+    if cache is not None and Path(cache).is_file():
+        arr = np.load(cache)
+        if hasattr(arr, "files"):  # .npz (np.savez_compressed(..., tokens=arr))
+            arr = arr["tokens"]
+        return arr[:max_tokens] if max_tokens else arr
+    if tok is None:
+        raise ValueError("need a tokenizer to tokenize the training text")
+    arr = tokenize_corpus(tok, train_text_files(data), max_tokens=max_tokens)
+    if cache is not None:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        np.save(cache, arr)
+    return arr
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="tokenize ../shared/data/train-text with SmolLM2's tokenizer")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--gguf", default=None)
+    a = ap.parse_args(argv)
+    from ..models import load_smollm2
+
+    _, tok = load_smollm2(gguf_path=a.gguf)
+    arr = load_tokens(tok, a.data, None, a.max_tokens)
+    if a.out.endswith(".npz"):
+        np.savez_compressed(a.out, tokens=arr)
+    else:
+        np.save(a.out, arr)
+    print(f"{len(arr)} tokens -> {a.out} ({arr.dtype})")
+
+
+if __name__ == "__main__":
+    main()
