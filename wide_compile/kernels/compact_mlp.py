@@ -36,14 +36,23 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     G: tl.constexpr, GS: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                    ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    GROUP_G: tl.constexpr):
     if SORTED:
-        b = tl.program_id(0)
+        # program -> (group g, k-th block of g's token list), swizzled in super-blocks of GROUP_G
+        # groups so that concurrent programs share weights (same g) and x rows (same k range).
+        pid = tl.program_id(0)
         sub = tl.program_id(1)
-        ntpp = tl.load(ntpp_ptr)
-        if b * BM >= ntpp:
+        num_k = tl.cdiv(T, BM)
+        per_super = GROUP_G * num_k
+        first_g = (pid // per_super) * GROUP_G
+        gsz = tl.minimum(G - first_g, GROUP_G)
+        inner = pid % per_super
+        g = first_g + inner % gsz
+        kb = inner // gsz
+        if kb >= tl.load(cnt_ptr + G + g):
             return
-        g = tl.load(idx_ptr + b)
+        b = tl.load(cnt_ptr + g) + kb
         rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
         rvalid = rows < T
         smask = rvalid
@@ -107,10 +116,17 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
                   G: tl.constexpr, GS: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    m = tl.program_id(0)
-    n = tl.program_id(1)
-    s = tl.program_id(2)
+                  UPCAST: tl.constexpr, GROUP_M: tl.constexpr):
+    # grouped (L2-friendly) ordering of the (m, n) tiles: GROUP_M token tiles sweep the n blocks
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    num_m = tl.cdiv(T, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsz = tl.minimum(num_m - first_m, GROUP_M)
+    m = first_m + (pid % per_group) % gsz
+    n = (pid % per_group) // gsz
     rows = m * BM + tl.arange(0, BM)
     rvalid = rows < T
     rows64 = rows.to(tl.int64)
@@ -171,17 +187,17 @@ def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: b
     if small or _interpret():
         return dict(path="decode" if T <= DECODE_T else "sorted", up_bm=16, up_bn=min(32, gs2), up_bk=32,
                     dn_bm=16, dn_bn=32, dn_bk=min(32, gs2), dn_split=2 if T <= DECODE_T else 1,
-                    up_warps=4, up_stages=1, dn_warps=4, dn_stages=1)
+                    up_warps=4, up_stages=1, dn_warps=4, dn_stages=1, group_g=2, group_m=2)
     if T <= DECODE_T:
         return dict(path="decode", up_bm=16, up_bn=min(32, gs2), up_bk=256,
-                    dn_bm=16, dn_bn=64, dn_bk=min(64, gs2), dn_split=4,
-                    up_warps=4, up_stages=3, dn_warps=4, dn_stages=3)
+                    dn_bm=16, dn_bn=32, dn_bk=min(64, gs2), dn_split=8,
+                    up_warps=4, up_stages=3, dn_warps=4, dn_stages=3, group_g=8, group_m=8)
     return dict(path="sorted", up_bm=64 if T <= 256 else 128, up_bn=min(64, gs2), up_bk=64,
                 dn_bm=64 if T <= 256 else 128, dn_bn=128, dn_bk=min(64, gs2), dn_split=1,
-                up_warps=4, up_stages=3, dn_warps=8, dn_stages=3)
+                up_warps=4, up_stages=3, dn_warps=4, dn_stages=4, group_g=16, group_m=8)
 
 
-def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap):
+def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap, lists=None):
     """Launch the grouped-output kernel; ``out`` [T, G*GS] is written for active pairs
     (and zeros for inactive tokens of visited groups when zero_inactive)."""
     T, D = x.shape
@@ -192,37 +208,37 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap)
     w2_ = w2 if w2 is not None else w1
     b_ = bias if bias is not None else w1
     if cfg["path"] == "sorted":
-        sorted_ids, bgroups, ntpp = group_lists_triton(mask8.view(torch.bool), bm, wrap)
+        sorted_ids, bgroups, ntpp, gblk = group_lists_triton(mask8.view(torch.bool), bm, wrap, True)
         k[(bgroups.shape[0], nsub)](
-            x, w1, w2_, b_, out, mask8, bgroups, bgroups, sorted_ids, ntpp,
+            x, w1, w2_, b_, out, mask8, bgroups, gblk, sorted_ids, ntpp,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
-            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
-        tg, tc = tile_lists_triton(mask8.view(torch.bool), bm, wrap)
+        tg, tc = lists if lists is not None else tile_lists_triton(mask8.view(torch.bool), bm, wrap)
         k[(tg.shape[0], G, nsub)](
             x, w1, w2_, b_, out, mask8, tg, tc, tg, tc,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=False, GATED=gated, HAS_BIAS=bias is not None,
-            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
 
 
-def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap):
+def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
     """out[T, N] = sum over active groups of a[:, grp] @ w_t[grp] (+ bias once)."""
     T = a.shape[0]
     N = w_t.shape[1]
     bm, bn, bk, split = cfg["dn_bm"], cfg["dn_bn"], cfg["dn_bk"], cfg["dn_split"]
-    tg, tc = tile_lists_triton(mask8.view(torch.bool), bm, wrap)
+    tg, tc = lists if lists is not None else tile_lists_triton(mask8.view(torch.bool), bm, wrap)
     atomic = split > 1
     if atomic:
         out = torch.zeros((T, N), dtype=torch.float32, device=a.device)
     else:
         out = alloc((T, N), out_dtype, a.device)
     b_ = bias if bias is not None else w_t
-    _launcher(_kskip_kernel, wrap)[(tg.shape[0], triton.cdiv(N, bn), split)](
+    _launcher(_kskip_kernel, wrap)[(tg.shape[0] * triton.cdiv(N, bn), split)](
         a, w_t, b_, out, mask8, tg, tc, T, N, a.stride(0), w_t.stride(0), out.stride(0),
         G=G, GS=GS, BM=bm, BN=bn, BK=bk, SPLIT=split, HAS_BIAS=bias is not None, ATOMIC=atomic,
-        PREC=_prec(a.dtype), UPCAST=_interpret(), num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+        PREC=_prec(a.dtype), UPCAST=_interpret(), GROUP_M=cfg["group_m"], num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
     return out.to(out_dtype) if atomic else out
 
 
@@ -238,5 +254,9 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     x = x.contiguous()
     mask8 = mask.contiguous().view(torch.uint8)
     h = alloc((T, F), x.dtype, x.device)
-    ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap)
-    return kskip(h, w_down_t, None, mask8, G, group_size, cfg, x.dtype, wrap)
+    lists = None
+    if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"]:  # one mask reorder for both kernels
+        lists = tile_lists_triton(mask8.view(torch.bool), cfg["up_bm"], wrap)
+    ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,
+            lists=lists)
+    return kskip(h, w_down_t, None, mask8, G, group_size, cfg, x.dtype, wrap, lists=lists)

@@ -52,7 +52,7 @@ def _group_counts_kernel(mask_ptr, cnt_ptr, T, G: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["T", "P"])
-def _group_lists_kernel(mask_ptr, cnt_ptr, sorted_ptr, bgroup_ptr, ntpp_ptr, T, P,
+def _group_lists_kernel(mask_ptr, cnt_ptr, sorted_ptr, bgroup_ptr, ntpp_ptr, gblk_ptr, T, P,
                         G: tl.constexpr, GP2: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr):
     g = tl.program_id(0)
     gs = tl.arange(0, GP2)
@@ -87,6 +87,9 @@ def _group_lists_kernel(mask_ptr, cnt_ptr, sorted_ptr, bgroup_ptr, ntpp_ptr, T, 
     for p0 in range(total + g * BT, P, G * BT):
         p = p0 + tl.arange(0, BT)
         tl.store(sorted_ptr + p, tl.zeros([BT], dtype=tl.int32) + T, mask=p < P)
+    # per-group first block and number of blocks (used by the swizzled gather GEMM)
+    tl.store(gblk_ptr + g, (off // BM).to(tl.int32))
+    tl.store(gblk_ptr + G + g, (my_p // BM).to(tl.int32))
     if g == 0:
         tl.store(ntpp_ptr, total.to(tl.int32))
 
@@ -127,7 +130,7 @@ def tile_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     return tg, tc
 
 
-def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
+def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False, with_group_blocks: bool = False):
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
     P = G * n_tiles * block_m
@@ -136,10 +139,13 @@ def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     sorted_ids = alloc((P,), torch.int32, mask.device)
     bgroups = alloc((G * n_tiles,), torch.int32, mask.device)
     ntpp = alloc((1,), torch.int32, mask.device)
+    gblk = alloc((2 * G,), torch.int32, mask.device)
     BT = min(1024, max(16, triton.next_power_of_2(T)))
     _launcher(_group_counts_kernel, wrap)[(G,)](m8, cnt, T, G=G, BT=BT)
     _launcher(_group_lists_kernel, wrap)[(G,)](
-        m8, cnt, sorted_ids, bgroups, ntpp, T, P, G=G, GP2=triton.next_power_of_2(G), BM=block_m, BT=BT)
+        m8, cnt, sorted_ids, bgroups, ntpp, gblk, T, P, G=G, GP2=triton.next_power_of_2(G), BM=block_m, BT=BT)
+    if with_group_blocks:
+        return sorted_ids, bgroups, ntpp, gblk
     return sorted_ids, bgroups, ntpp
 
 
@@ -147,3 +153,17 @@ def mask_reorder_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     tg, tc = tile_lists_triton(mask, block_m, wrap)
     s, b, n = group_lists_triton(mask, block_m, wrap)
     return tg, tc, s, b, n
+
+
+# ``wide_compile.kernels.mask_reorder`` is both this module and the public function of the same
+# name (exported by the package).  Importing this submodule rebinds the package attribute to the
+# module, so make the module itself callable as the public function to keep both spellings valid.
+class _CallableModule(type(torch)):
+    def __call__(self, mask, block_m):
+        from .ops import mask_reorder as _public
+        return _public(mask, block_m)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,291 @@
+"""Benchmark + correctness check of the WIDE kernels on a CUDA GPU (H200).
+
+    python benchmarks/bench_kernels.py [--quick] [--variants] [--out results.json]
+
+1. Correctness: torch.ops.wide.* (Triton) vs the PyTorch reference, bf16, rel-L2 <= 2e-2, and
+   mask_reorder bit-exact vs its reference.
+2. Timing: each variant is captured once in a CUDA graph and its replay is timed with
+   triton.testing.do_bench (median; do_bench clears the L2 before every repetition, so weights
+   are read cold from HBM as in a real multi-layer model).
+   dense  = torch F.linear (cuBLAS) on the full matrices (+ silu*mul for the MLP)
+   static = the same on density*F (or density*Nq) channels (a statically pruned model)
+   wide   = torch.ops.wide.* including its mask reorder launches.
+Masks: "random": iid Bernoulli(density) per (token, group).  "corr_pX": all tokens share one
+base mask ~ Bernoulli(density); each (token, group) bit is resampled (fresh Bernoulli(density)) with
+probability p = X, i.e. it differs from the base with probability 2 p d (1-d)
+(synthetic; statistics fitted to a trained router were not available).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import wide_compile.kernels  # noqa: E402,F401
+from wide_compile.kernels import reference as R  # noqa: E402
+from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
+
+CORR_PS = (0.1, 0.01)
+MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS)
+MODELS = {
+    "llama3.1-8b": dict(D=4096, F=14336, nq=32, nkv=8, hd=128, gs=64, hg=1),
+    "smollm2-135m": dict(D=576, F=1536, nq=9, nkv=3, hd=64, gs=64, hg=1),
+}
+DEV = "cuda"
+DT = torch.bfloat16
+TS = (1, 4, 16, 128, 2048, 8192)
+DRY = os.environ.get("WIDE_BENCH_DRYRUN") == "1"  # CPU smoke test of this script (tiny shapes)
+if DRY:
+    DEV = "cpu"
+    MODELS = {"tiny": dict(D=32, F=128, nq=4, nkv=2, hd=16, gs=32, hg=1)}
+    TS = (1, 20)
+
+
+def make_mask(T, G, density, kind, gen):
+    if kind == "random":
+        return torch.rand(T, G, device=DEV, generator=gen) < density
+    base = torch.rand(1, G, device=DEV, generator=gen) < density
+    p = float(kind.split("corr_p")[1])
+    resample = torch.rand(T, G, device=DEV, generator=gen) < p
+    fresh = torch.rand(T, G, device=DEV, generator=gen) < density
+    return torch.where(resample, fresh, base.expand(T, G))
+
+
+def graph_time(fn, warm=3):
+    if DRY:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    """median ms of one replay of a CUDA graph holding one call of fn (L2 cleared before each)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    ms = do_bench(g.replay, warmup=20, rep=80, return_mode="median")
+    del g
+    return ms
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def weights(spec, gen):
+    D, Fd, Nq = spec["D"], spec["F"], spec["nq"] * spec["hd"]
+    r = lambda *s: (torch.randn(*s, device=DEV, generator=gen) * 0.02).to(DT)  # noqa: E731
+    return dict(wg=r(Fd, D), wu=r(Fd, D), wd_t=r(Fd, D).contiguous(), wq=r(Nq, D), wo_t=r(Nq, D).contiguous(),
+                wk=r(spec["nkv"] * spec["hd"], D), wv=r(spec["nkv"] * spec["hd"], D))
+
+
+def correctness(log):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    worst = 0.0
+    for name, spec in MODELS.items():
+        W = weights(spec, gen)
+        gs, cols = spec["gs"], spec["hg"] * spec["hd"]
+        G, Ga = spec["F"] // gs, spec["nq"] // spec["hg"]
+        for T in ((1, 3, 16, 130, 2048) if not DRY else (1, 20)):
+            for kind in ("random", "corr_p0.1"):
+                for d in (0.0, 0.5, 1.0):
+                    x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
+                    m = make_mask(T, G, d, kind, gen)
+                    ma = make_mask(T, Ga, d, kind, gen)
+                    a = torch.randn(T, spec["nq"] * spec["hd"], device=DEV, generator=gen).to(DT)
+                    bq = torch.randn(spec["nq"] * spec["hd"], device=DEV, generator=gen).to(DT)
+                    errs = {}
+                    o = torch.ops.wide.mlp(x, W["wg"], W["wu"], W["wd_t"], m, gs)
+                    errs["mlp"] = rel(o, R.mlp_ref(x, W["wg"], W["wu"], W["wd_t"], m, gs)) if m.any() else o.abs().max().item()
+                    q = torch.ops.wide.q_proj(x, W["wq"], bq, ma, cols)
+                    errs["q"] = rel(q, R.q_proj_ref(x, W["wq"], bq, ma, cols)) if ma.any() else q.abs().max().item()
+                    assert (q[R.expand_mask(~ma, cols)] == 0).all(), "inactive q columns not zero"
+                    oo = torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols)
+                    errs["o"] = rel(oo, R.o_proj_ref(a, W["wo_t"], None, ma, cols)) if ma.any() else oo.abs().max().item()
+                    for bm in (1, 16, 64):
+                        got = torch.ops.wide.mask_reorder(m, bm)
+                        exp = R.mask_reorder_ref(m, bm)
+                        assert all(torch.equal(g_, e_) for g_, e_ in zip(got, exp)), ("mask_reorder", T, bm)
+                    for cfg in ({"path": "tile"}, {"path": "sorted"}) if T > 16 else ():
+                        o2 = mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=cfg)
+                        errs["mlp_" + cfg["path"]] = rel(o2, R.mlp_ref(x, W["wg"], W["wu"], W["wd_t"], m, gs)) if m.any() else o2.abs().max().item()
+                    e = max(errs.values())
+                    worst = max(worst, e)
+                    if not (e <= 2e-2) or not all(math.isfinite(v) for v in errs.values()):
+                        raise SystemExit(f"CORRECTNESS FAIL {name} T={T} {kind} d={d}: {errs}")
+        log(f"correctness ok: {name}")
+    return worst
+
+
+def bench(quick, log, variants):
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    recs = []
+    Ts = TS
+    dens = (0.5,) if quick else (0.25, 0.5, 0.75)
+    for name, spec in MODELS.items():
+        W = weights(spec, gen)
+        D, Fd, gs = spec["D"], spec["F"], spec["gs"]
+        Nq, cols = spec["nq"] * spec["hd"], spec["hg"] * spec["hd"]
+        G, Ga = Fd // gs, spec["nq"] // spec["hg"]
+        for T in Ts:
+            x = torch.randn(T, D, device=DEV, generator=gen).to(DT)
+            a = torch.randn(T, Nq, device=DEV, generator=gen).to(DT)
+
+            def dense_mlp(x=x, wg=W["wg"], wu=W["wu"], wd_t=W["wd_t"]):
+                return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd_t.t())
+            wd = W["wd_t"].t().contiguous()
+            wo = W["wo_t"].t().contiguous()
+            t_dense = {
+                "mlp": graph_time(lambda: F.linear(F.silu(F.linear(x, W["wg"])) * F.linear(x, W["wu"]), wd)),
+                "attn_q": graph_time(lambda: F.linear(x, W["wq"])),
+                "attn_o": graph_time(lambda: F.linear(a, wo)),
+            }
+            if T in (2048, 8192) or (DRY and T == 20):
+                q4 = torch.randn(1, spec["nq"], T, spec["hd"], device=DEV, dtype=DT)
+                k4 = torch.randn(1, spec["nkv"], T, spec["hd"], device=DEV, dtype=DT)
+                v4 = torch.randn_like(k4)
+                t_sdpa = graph_time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True))
+                t_qkvo = graph_time(lambda: (F.linear(x, W["wq"]), F.linear(x, W["wk"]), F.linear(x, W["wv"]), F.linear(a, wo)))
+                recs.append(dict(op="attention", model=name, T=T, density=1.0, masks="-", dense_ms=t_sdpa,
+                                 static_ms=None, wide_ms=t_sdpa, speedup=1.0, qkvo_dense_ms=t_qkvo,
+                                 mlp_dense_ms=t_dense["mlp"], note="dense causal SDPA (GQA); WIDE keeps attention dense"))
+                log(f"{name:13s} T={T:5d} SDPA {t_sdpa:.3f} ms vs q/k/v/o proj {t_qkvo:.3f} ms, mlp {t_dense['mlp']:.3f} ms")
+            for d in dens:
+                Fs = max(gs, round(d * G) * gs)
+                Ns = max(cols, round(d * Ga) * cols)
+                wgs, wus = W["wg"][:Fs].contiguous(), W["wu"][:Fs].contiguous()
+                wds = wd[:, :Fs].contiguous()
+                wqs = W["wq"][:Ns].contiguous()
+                wos = wo[:, :Ns].contiguous()
+                as_ = a[:, :Ns].contiguous()
+                t_static = {
+                    "mlp": graph_time(lambda: F.linear(F.silu(F.linear(x, wgs)) * F.linear(x, wus), wds)),
+                    "attn_q": graph_time(lambda: F.linear(x, wqs)),
+                    "attn_o": graph_time(lambda: F.linear(as_, wos)),
+                }
+                for kind in MASK_KINDS:
+                    m = make_mask(T, G, d, kind, gen)
+                    ma = make_mask(T, Ga, d, kind, gen)
+                    t_wide = {
+                        "mlp": graph_time(lambda: torch.ops.wide.mlp(x, W["wg"], W["wu"], W["wd_t"], m, gs)),
+                        "attn_q": graph_time(lambda: torch.ops.wide.q_proj(x, W["wq"], None, ma, cols)),
+                        "attn_o": graph_time(lambda: torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols)),
+                    }
+                    t_re = graph_time(lambda: torch.ops.wide.mask_reorder(m, 64 if T > 16 else 1))
+                    for op in ("mlp", "attn_q", "attn_o"):
+                        recs.append(dict(op=op, model=name, T=T, density=d, masks=kind,
+                                         actual_density=(m if op == "mlp" else ma).float().mean().item(),
+                                         dense_ms=t_dense[op], static_ms=t_static[op], wide_ms=t_wide[op],
+                                         speedup=t_dense[op] / t_wide[op], vs_static=t_static[op] / t_wide[op]))
+                    recs.append(dict(op="reorder", model=name, T=T, density=d, masks=kind, dense_ms=None,
+                                     static_ms=None, wide_ms=t_re, speedup=None,
+                                     note="mask_reorder(mask [T,G_ffn], block_m), all 5 outputs"))
+                    log(f"{name:13s} T={T:5d} d={d} {kind:10s} mlp dense {t_dense['mlp']:.4f} static {t_static['mlp']:.4f} "
+                        f"wide {t_wide['mlp']:.4f} ({t_dense['mlp']/t_wide['mlp']:.2f}x) | q {t_dense['attn_q']/t_wide['attn_q']:.2f}x "
+                        f"o {t_dense['attn_o']/t_wide['attn_o']:.2f}x | reorder {t_re*1e3:.1f}us")
+    var = []
+    if variants:
+        from wide_compile.kernels.compact_mlp import default_config, ngather, kskip
+        spec = next(iter(MODELS.values()))
+        W = weights(spec, gen)
+        G, gs = spec["F"] // spec["gs"], spec["gs"]
+        for T in (1, 8192) if not DRY else (1, 20):
+            x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
+            h = torch.randn(T, spec["F"], device=DEV, generator=gen).to(DT)
+            wd = W["wd_t"].t().contiguous()
+            for kind in MASK_KINDS:
+                m = make_mask(T, G, 0.5, kind, gen)
+                m8 = m.view(torch.uint8)
+                cfg = default_config(T, spec["D"], spec["F"], gs, spec["D"])
+                hb = torch.empty_like(h)
+                t_up = graph_time(lambda: ngather(x, W["wg"], W["wu"], None, hb, m8, G, gs, cfg, True, False, False))
+                t_dn = graph_time(lambda: kskip(h, W["wd_t"], None, m8, G, gs, cfg, DT, False))
+                t_cup = graph_time(lambda: (F.linear(x, W["wg"]), F.linear(x, W["wu"])))
+                t_cdn = graph_time(lambda: F.linear(h, wd))
+                var.append(dict(T=T, masks=kind, component="gate_up", wide_ms=t_up, dense_ms=t_cup))
+                var.append(dict(T=T, masks=kind, component="down", wide_ms=t_dn, dense_ms=t_cdn))
+                log(f"component T={T} {kind:10s} gate_up wide {t_up:.4f} dense {t_cup:.4f} | down wide {t_dn:.4f} dense {t_cdn:.4f}")
+        spec = next(iter(MODELS.values()))
+        W = weights(spec, gen)
+        G = spec["F"] // spec["gs"]
+        for T, cfgs in variants.items():
+            x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
+            for kind in MASK_KINDS:
+                m = make_mask(T, G, 0.5, kind, gen)
+                for cfg in cfgs:
+                    try:
+                        t = graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, spec["gs"], config=cfg))
+                    except Exception as e:  # noqa: BLE001
+                        t = None
+                        log(f"variant failed {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                    var.append(dict(T=T, masks=kind, config=cfg, wide_ms=t))
+                    log(f"variant T={T} {kind:10s} {t if t is None else round(t, 4)} {cfg}")
+    return recs, var
+
+
+VARIANTS = {
+    1: [dict(up_bn=bn, up_bk=bk, up_warps=w, up_stages=st, dn_bn=dbn, dn_split=sp, dn_warps=dw)
+        for (bn, bk, w, st, dbn, sp, dw) in [
+            (32, 256, 4, 3, 32, 8, 4), (32, 256, 4, 4, 32, 8, 4), (32, 256, 4, 3, 32, 16, 4), (32, 256, 4, 3, 64, 8, 4),
+            (16, 512, 4, 3, 32, 8, 4), (64, 256, 8, 3, 32, 8, 4), (32, 128, 4, 5, 32, 8, 4), (32, 256, 4, 3, 32, 8, 2),
+            (32, 512, 8, 3, 16, 16, 4), (16, 256, 2, 4, 32, 8, 4)]],
+    2048: [dict(path=p, up_bm=bm) for p in ("sorted", "tile") for bm in (64, 128)],
+    8192: [dict(group_g=g) for g in (4, 64)] + [dict(group_m=g) for g in (4, 16)]
+          + [dict(up_bk=bk, up_warps=w, up_stages=st) for (bk, w, st) in [(64, 8, 4), (128, 8, 3), (32, 4, 5)]]
+          + [dict(dn_bm=bm, dn_bn=bn, dn_warps=w, dn_stages=st)
+             for (bm, bn, w, st) in [(128, 256, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3)]]
+          + [dict(path="tile")],
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also sweep kernel configs (Llama MLP, d=0.5)")
+    ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
+    args = ap.parse_args()
+    t0 = time.time()
+    log = lambda s: print(f"[{time.time()-t0:6.1f}s] {s}", flush=True)  # noqa: E731
+    if DRY:
+        torch.cuda.get_device_name = lambda: "cpu-dryrun"  # noqa: E731
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    worst = correctness(log)
+    log(f"correctness: worst rel-L2 {worst:.2e}")
+    variants = VARIANTS if args.variants else {}
+    if DRY and variants:
+        variants = {1: VARIANTS[1][:2], 20: VARIANTS[8192][:2] + VARIANTS[8192][-1:]}
+    recs, var = bench(args.quick, log, variants)
+    out = dict(records=recs, variants=var, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+               correctness_worst_rel_l2_bf16=worst, mask_kinds=MASK_KINDS,
+               timing="CUDA graph replay of one call, triton do_bench median (L2 cleared before each rep)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print("\nop      model          T     d     masks       dense_ms  static_ms  wide_ms  speedup vs_static")
+    for r in recs:
+        if r["op"] in ("mlp", "attn_q", "attn_o") and r["density"] == 0.5:
+            print(f"{r['op']:7s} {r['model']:13s} {r['T']:5d} {r['density']:.2f} {r['masks']:10s} {r['dense_ms']:9.4f} "
+                  f"{r['static_ms']:9.4f} {r['wide_ms']:9.4f} {r['speedup']:6.2f}x {r['vs_static']:6.2f}x")
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
