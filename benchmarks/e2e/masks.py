@@ -1,0 +1,228 @@
+"""Routers for the benchmark: random masks, correlated (router-like) masks, all-on, trained.
+
+random      `Routers.init(..., router_init="random")` (linear routers, N(0, 1/D) weights) calibrated with
+            `Routers.calibrate_` so every group's on-rate is the uniform rate of the target capacity. On a
+            random-weight model the hidden states of different tokens are nearly independent, so these
+            masks are close to i.i.d. per token and group: the worst case for the kernels.
+
+correlated  a synthetic router-like model. Each router is still linear (so it runs through exactly the
+            same WIDE code path), with weight
+                W = sqrt(rho) * A @ P + sqrt(1 - rho) * R,   P ~ N(0, 1/D) [k, D],  A ~ N(0, 1/k) [G, k],
+                                                              R ~ N(0, 1/D) [G, D]
+            i.e. a fraction rho of each logit's variance comes from a k-dimensional latent shared by all
+            groups, so masks of different tokens agree far more than independent masks would (tokens
+            whose latents are close get nearly the same mask, as real routers do for similar tokens).
+            Per-group on-rates are heterogeneous, as in trained routers: r_g = sigmoid(logit(r) + s*z_g),
+            z_g ~ N(0,1), shifted so mean_g r_g = r (capacity unchanged); biases set by per-group quantiles.
+            Two statistics are matched: `s` = std over groups of logit(on-rate), and `kappa` = the
+            chance-corrected agreement of the masks of two random tokens (Cohen's kappa over groups,
+            averaged over layers and token pairs). When trained SmolLM2 routers ship
+            (`Routers.available()`), both are *measured* on them (real text through the real model) and
+            rho is fitted by a small grid search so the synthetic masks reach the measured kappa; otherwise
+            the documented defaults below are used (DEFAULT_STATS), and the JSON says which.
+
+all-on      capacity 1.0: random routers with +1e4 biases (every group on) - the cost of routing itself.
+
+trained     SmolLM2's shipped routers, on the real SmolLM2 model only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from wide_compile import Routers, WideConfig, attach, detach
+from wide_compile.routing import GroupRouter, record_logits, record_masks
+from wide_compile.routing.capacity import FlopCost
+
+# used when no trained routers exist yet: placeholders, to be replaced by measured values
+DEFAULT_STATS = {"rate_logit_std": 1.0, "kappa": 0.35, "kappa_adjacent": None, "source": "synthetic-default"}
+LATENT_RANK = 4
+RHO_GRID = (0.0, 0.3, 0.5, 0.7, 0.85, 0.95)
+
+
+def make_cfg(capacity: float, ffn_group_size: int, head_group_size: int) -> WideConfig:
+    return WideConfig(ffn_group_size=ffn_group_size, head_group_size=head_group_size,
+                      capacity=min(max(capacity, 1e-3), 1.0), router_init="random")
+
+
+def _routers_to(r: Routers, model) -> Routers:
+    p = next(model.parameters())
+    return r.to(device=p.device)
+
+
+def random_routers(model, cfg: WideConfig, calib_ids, capacity: float, seed: int = 0, iters: int = 2) -> Routers:
+    r = _routers_to(Routers.init(model, cfg, seed=seed), model)
+    for _ in range(iters):  # masks change the hidden states of later layers: iterate to converge
+        r.calibrate_(model, calib_ids, capacity)
+    return r
+
+
+def all_on_routers(model, cfg: WideConfig, seed: int = 0) -> Routers:
+    r = _routers_to(Routers.init(model, cfg, seed=seed), model)
+    with torch.no_grad():
+        for rr in list(r.attn) + list(r.ffn):
+            rr.proj.bias.fill_(1e4)
+    return r
+
+
+def _group_rates(rate: float, groups: int, s: float, gen: torch.Generator) -> torch.Tensor:
+    """Per-group on-rates, logit-normal with std s around logit(rate), mean exactly `rate`."""
+    if rate >= 0.999 or s <= 0:
+        return torch.full((groups,), min(rate, 1.0))
+    z = torch.randn(groups, generator=gen, dtype=torch.float64)
+    lo, hi = -30.0, 30.0
+    for _ in range(60):  # bisection on the shift so the mean rate is exact
+        mid = (lo + hi) / 2
+        m = torch.sigmoid(mid + s * z).mean().item()
+        lo, hi = (mid, hi) if m < rate else (lo, mid)
+    return torch.sigmoid((lo + hi) / 2 + s * z).float().clamp(1e-4, 1.0)
+
+
+@torch.no_grad()
+def calibrate_per_group_(routers: Routers, model, calib_ids, rates_attn, rates_ffn, iters: int = 2) -> Routers:
+    """Set biases so group g of layer i is on for a fraction rates_*[i][g] of the calibration tokens."""
+    for _ in range(iters):
+        attach(model, routers)
+        try:
+            with record_logits(model) as rec:
+                model(input_ids=calib_ids)
+        finally:
+            detach(model)
+        for kind, mods, rates in (("attn", routers.attn, rates_attn), ("ffn", routers.ffn, rates_ffn)):
+            for i, r in enumerate(mods):
+                lg = rec[kind][i].reshape(-1, r.groups).float()
+                rt = rates[i].to(lg.device)
+                srt = lg.sort(dim=0).values                       # [N, G]
+                N = srt.shape[0]
+                pos = ((1.0 - rt) * (N - 1)).clamp(0, N - 1)      # linear-interpolated quantile per group
+                lo, hi = pos.floor().long(), pos.ceil().long()
+                w = (pos - lo.float())
+                q = srt.gather(0, lo[None])[0] * (1 - w) + srt.gather(0, hi[None])[0] * w
+                q = torch.where(rt >= 1, srt[0] - 1.0, q)
+                r.proj.bias -= q.to(r.proj.bias.dtype)
+    return routers
+
+
+@torch.no_grad()
+def correlated_routers(model, cfg: WideConfig, calib_ids, capacity: float, rho: float, stats: dict,
+                       seed: int = 0, rank: int = LATENT_RANK) -> Routers:
+    r = _routers_to(Routers.init(model, cfg, seed=seed), model)
+    gen = torch.Generator().manual_seed(seed + 12345)
+    D = r.spec.hidden_size
+    for mods in (r.attn, r.ffn):
+        for rr in mods:
+            G = rr.groups
+            P = torch.randn(rank, D, generator=gen) / math.sqrt(D)
+            A = torch.randn(G, rank, generator=gen) / math.sqrt(rank)
+            R = torch.randn(G, D, generator=gen) / math.sqrt(D)
+            # (A @ P) h and R h both have per-logit variance ~ ||h||^2 / D: rho is the shared fraction
+            W = math.sqrt(rho) * (A @ P) + math.sqrt(1 - rho) * R
+            rr.proj.weight.copy_(W.to(rr.proj.weight.dtype))
+            rr.proj.bias.zero_()
+    rate = FlopCost.from_routers(r).uniform_rate(capacity)
+    s = float(stats.get("rate_logit_std") or 0.0)
+    ra = [_group_rates(rate, rr.groups, s, gen) for rr in r.attn]
+    rf = [_group_rates(rate, rr.groups, s, gen) for rr in r.ffn]
+    return calibrate_per_group_(r, model, calib_ids, ra, rf)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def _kappa(m: torch.Tensor, pairs: torch.Tensor) -> float:
+    """m: bool [N, G]; pairs: long [P, 2] token index pairs -> chance-corrected agreement."""
+    m = m.float()
+    r = m.mean(0)
+    agree = (m[pairs[:, 0]] == m[pairs[:, 1]]).float().mean().item()
+    expect = (r * r + (1 - r) * (1 - r)).mean().item()
+    if expect >= 1 - 1e-9:
+        return 1.0
+    return (agree - expect) / (1 - expect)
+
+
+@torch.no_grad()
+def mask_stats(model, routers: Routers, ids: torch.Tensor, n_pairs: int = 4096, seed: int = 0) -> dict:
+    """Statistics of the masks `routers` produce on `ids` [B, S] through `model`:
+    rate_logit_std (std over groups of logit(on-rate), mean over layers and kinds), kappa (random pairs of
+    tokens), kappa_adjacent (neighbouring tokens), mean on-rates."""
+    attach(model, routers)
+    try:
+        with record_masks(model) as rec:
+            model(input_ids=ids)
+    finally:
+        detach(model)
+    gen = torch.Generator().manual_seed(seed)
+    out = {"rate_logit_std": [], "kappa": [], "kappa_adjacent": [], "rate": []}
+    for kind in ("attn", "ffn"):
+        for layer_masks in rec[kind]:
+            m = torch.cat([t.reshape(-1, t.shape[-1]) for t in layer_masks]).bool().cpu()
+            N = m.shape[0]
+            if N < 4:
+                continue
+            rates = m.float().mean(0)
+            out["rate"].append(rates.mean().item())
+            lr = torch.logit(rates.clamp(0.01, 0.99))
+            out["rate_logit_std"].append(lr.std().item() if lr.numel() > 1 else 0.0)
+            a = torch.randint(0, N, (n_pairs,), generator=gen)
+            b = torch.randint(0, N, (n_pairs,), generator=gen)
+            keep = a != b
+            out["kappa"].append(_kappa(m, torch.stack([a[keep], b[keep]], 1)))
+            S = ids.shape[-1]
+            idx = torch.arange(N - 1)
+            idx = idx[(idx % S) != S - 1]  # stay inside one sequence
+            out["kappa_adjacent"].append(_kappa(m, torch.stack([idx, idx + 1], 1)))
+    return {k: (sum(v) / len(v) if v else None) for k, v in out.items()}
+
+
+def fit_rho(model, cfg_fn, calib_ids, capacity: float, stats: dict, seed: int = 0, log=print) -> tuple[float, list]:
+    """Grid search of rho so the synthetic masks' kappa matches stats["kappa"] (at this capacity)."""
+    target = stats["kappa"]
+    tried = []
+    for rho in RHO_GRID:
+        r = correlated_routers(model, cfg_fn(capacity), calib_ids, capacity, rho, stats, seed=seed)
+        st = mask_stats(model, r, calib_ids)
+        tried.append({"rho": rho, "kappa": st["kappa"], "rate_logit_std": st["rate_logit_std"]})
+        log(f"    fit correlated masks: rho={rho:.2f} -> kappa={st['kappa']:.3f} "
+            f"(target {target:.3f}), rate logit std {st['rate_logit_std']:.2f}")
+        if st["kappa"] >= target:
+            break
+    best = min(tried, key=lambda t: abs(t["kappa"] - target))
+    return best["rho"], tried
+
+
+def trained_router_stats(device, dtype, text_ids_fn, log=print, gguf=None) -> dict | None:
+    """Measure DEFAULT_STATS' quantities on the shipped SmolLM2 routers over real text; None if there
+    are none (or the real SmolLM2 cannot be loaded), with the reason logged."""
+    try:
+        names = Routers.available()
+    except Exception as e:  # noqa: BLE001
+        log(f"  correlated masks: Routers.available() failed ({e}); using synthetic defaults")
+        return None
+    names = [n for n in names if "smollm" in n.lower()]
+    if not names:
+        log("  correlated masks: no trained SmolLM2 routers shipped yet (Routers.available() has none); "
+            f"using the documented synthetic defaults {DEFAULT_STATS}")
+        return None
+    try:
+        from .models import load_smollm2_real
+
+        model, tok = load_smollm2_real(device, dtype, gguf)
+    except Exception as e:  # noqa: BLE001
+        log(f"  correlated masks: trained routers exist ({names}) but the real SmolLM2 could not be loaded "
+            f"({type(e).__name__}: {str(e)[:200]}); using synthetic defaults")
+        return None
+    res = []
+    for n in names:
+        try:
+            r = Routers.pretrained(n, model)
+            st = mask_stats(model, r, text_ids_fn(tok, 1024).to(next(model.parameters()).device))
+            st["name"] = n
+            res.append(st)
+            log(f"  correlated masks: trained routers {n}: {st}")
+        except Exception as e:  # noqa: BLE001
+            log(f"  correlated masks: could not measure trained routers {n}: {type(e).__name__}: {e}")
+    del model
+    if not res:
+        return None
+    pick = min(res, key=lambda s: abs((s["rate"] or 0.5) - 0.5))  # the ~50%-capacity routers if several
+    return {"rate_logit_std": pick["rate_logit_std"], "kappa": pick["kappa"],
+            "kappa_adjacent": pick["kappa_adjacent"], "source": f"trained:{pick['name']}", "all": res}

@@ -1,0 +1,158 @@
+"""Markdown table, goal check and speedup-vs-capacity plot of the e2e records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+GOALS = {  # DESIGN.md / issue 6, Llama-3.1-8B shape, capacity 0.5, batch 1
+    "prefill": {"tokens": [2048], "speedup": 1.75, "within_static": 0.05},
+    "decode": {"tokens": None, "speedup": 1.6, "within_static": 0.10},
+}
+
+
+def _f(x, nd=2):
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def one_line(r: dict) -> str:
+    return (f"    {r['model']} L{r['layers']} {r['phase']:<7} {r['tokens']:>5}x{r['batch']:<2} cap {r['capacity']:.2f} "
+            f"{r['masks']:<10} dense {_f(r.get('dense_inductor_ms'), 3)} static {_f(r.get('static_ms'), 3)} "
+            f"wide {_f(r.get('wide_ms'), 3)} ms  speedup {_f(r.get('speedup'))}x  (static {_f(r.get('static_speedup'))}x)"
+            f"  measured cap {_f(r.get('measured_capacity'), 3)}"
+            + (f"  errors: {list(r['errors'])}" if r.get("errors") else ""))
+
+
+def goals(records: list[dict]) -> list[dict]:
+    out = []
+    for phase, g in GOALS.items():
+        rows = [r for r in records if r.get("model") == "llama-3.1-8b" and r.get("phase") == phase
+                and r.get("batch") == 1 and abs(float(r.get("capacity", 0)) - 0.5) < 1e-6
+                and (g["tokens"] is None or r.get("tokens") in g["tokens"])]
+        for r in rows:
+            sp, wos = r.get("speedup"), r.get("wide_over_static")
+            out.append({
+                "phase": phase, "tokens": r["tokens"], "masks": r["masks"], "layers": r["layers"],
+                "speedup": sp, "goal_speedup": g["speedup"],
+                "speedup_met": None if sp is None else sp >= g["speedup"],
+                "wide_over_static": wos, "goal_within_static": g["within_static"],
+                "within_static_met": None if wos is None else wos <= 1 + g["within_static"],
+                "note": "full depth" if r["layers"] == 32 else f"{r['layers']} of 32 layers (lm_head share is larger)",
+            })
+    return out
+
+
+COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tokens"), ("batch", "B"),
+        ("capacity", "cap"), ("masks", "masks"), ("measured_capacity", "meas. cap"),
+        ("eager_dense_ms", "eager"), ("dense_inductor_ms", "Inductor"), ("dense_max_autotune_ms", "max-autotune"),
+        ("dense_inductor_cg_ms", "Ind.+graph"), ("trt_ms", "TRT"), ("static_ms", "static"), ("wide_ms", "WIDE"),
+        ("wide_eager_ms", "WIDE eager"), ("speedup", "speedup"), ("static_speedup", "static speedup"),
+        ("wide_over_static", "WIDE/static"), ("peak_mem_mb", "WIDE mem MB"), ("compile_s", "WIDE compile s")]
+
+
+def markdown(data: dict) -> str:
+    recs = sorted(data.get("records", []), key=lambda r: (r["model"], r["phase"], r["tokens"], r["batch"],
+                                                          -float(r["capacity"]), r["masks"]))
+    lines = [f"# End-to-end: WIDE vs Inductor ({data.get('gpu') or data.get('device')})", "",
+             f"torch {data.get('torch')}, triton {data.get('triton')}, transformers {data.get('transformers')}, "
+             f"{data.get('dtype')}, {data.get('date')}", "", f"`{data.get('command')}`", "",
+             "Times are medians in ms per step (prefill: one forward over tokens x batch, logits of the last "
+             "position; decode: one token per sequence against a static KV cache of `tokens` positions). "
+             "speedup = Inductor / WIDE; the Inductor column is default mode for prefill and mode="
+             "\"reduce-overhead\" (CUDA graphs) for decode; WIDE decode runs in a manual CUDA graph. "
+             "p10/p90 and compile times per variant are in the JSON.", "",
+             "| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]
+    for r in recs:
+        cells = []
+        for k, _ in COLS:
+            v = r.get(k)
+            nd = 3 if k.endswith("_ms") else 2
+            if k == "peak_mem_mb" or k == "compile_s":
+                nd = 0 if k == "peak_mem_mb" else 1
+            cells.append(_f(v, nd) if not isinstance(v, float) or k != "capacity" else f"{v:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    g = data.get("goals") or goals(recs)
+    if g:
+        lines += ["", "## Goals (Llama-3.1-8B shape, capacity 0.5, batch 1)", "",
+                  "| phase | tokens | masks | layers | speedup | goal | met | WIDE/static | goal | met |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for x in g:
+            lines.append(f"| {x['phase']} | {x['tokens']} | {x['masks']} | {x['layers']} | {_f(x['speedup'])} | "
+                         f"≥{x['goal_speedup']} | {_yn(x['speedup_met'])} | {_f(x['wide_over_static'])} | "
+                         f"≤{1 + x['goal_within_static']:.2f} | {_yn(x['within_static_met'])} |")
+    errs = [(r, k, v) for r in recs for k, v in (r.get("errors") or {}).items()]
+    skips = data.get("skipped") or []
+    if errs or skips:
+        lines += ["", "## Skipped / failed", ""]
+        seen = set()
+        for r, k, v in errs:
+            s = f"- {r['model']} {r['phase']} {r['tokens']}x{r['batch']} cap {r['capacity']} {r['masks']}: {k}: {v[:300]}"
+            if (k, v) not in seen:
+                lines.append(s)
+                seen.add((k, v))
+        for s in skips:
+            lines.append(f"- {s[:400]}")
+        row_skips = {(k, v) for r in recs for k, v in (r.get("skipped") or {}).items()}
+        for k, v in sorted(row_skips):
+            lines.append(f"- {k}: {v[:300]}")
+    return "\n".join(lines) + "\n"
+
+
+def _yn(x):
+    return "–" if x is None else ("yes" if x else "**no**")
+
+
+def plot(data: dict, path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in data.get("records", []) if r.get("speedup") or r.get("static_speedup")]
+    panels = sorted({(r["model"], r["phase"]) for r in data.get("records", [])})
+    if not panels:
+        panels = [("none", "none")]
+    ncol = 2
+    nrow = (len(panels) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 4.2 * nrow), squeeze=False)
+    styles = {"random": "-", "correlated": "--", "trained": "-.", "all-on": ":"}
+    for ax, (model, phase) in zip(axes.flat, panels):
+        rs = [r for r in recs if r["model"] == model and r["phase"] == phase]
+        workloads = sorted({(r["tokens"], r["batch"]) for r in rs})
+        cmap = plt.get_cmap("tab10")
+        for wi, (t, b) in enumerate(workloads):
+            col = cmap(wi % 10)
+            for masks in sorted({r["masks"] for r in rs}):
+                pts = sorted((r["capacity"], r["speedup"]) for r in rs
+                             if (r["tokens"], r["batch"], r["masks"]) == (t, b, masks) and r.get("speedup"))
+                if pts:
+                    ax.plot(*zip(*pts), styles.get(masks, "-"), marker="o", color=col,
+                            label=f"WIDE {t}x{b} {masks}")
+            st = sorted({(r["capacity"], r["static_speedup"]) for r in rs
+                         if (r["tokens"], r["batch"]) == (t, b) and r.get("static_speedup")})
+            if st:
+                ax.plot(*zip(*st), ":", marker="s", color=col, alpha=0.5, label=f"static {t}x{b}")
+        caps = [0.3, 0.5, 0.75, 1.0]
+        ax.plot(caps, [1 / c for c in caps], color="gray", lw=0.8, alpha=0.6, label="1/capacity")
+        ax.axhline(1.0, color="k", lw=0.6)
+        if model == "llama-3.1-8b":
+            goal = GOALS[phase]["speedup"] if phase in GOALS else None
+            if goal:
+                ax.plot([0.5], [goal], marker="*", ms=14, color="red", ls="none", label=f"goal {goal}x")
+        layers = sorted({r["layers"] for r in data.get("records", []) if r["model"] == model})
+        ax.set_title(f"{model} ({'/'.join(map(str, layers))} layers) {phase}")
+        ax.set_xlabel("capacity (FLOP fraction)")
+        ax.set_ylabel("speedup vs dense Inductor")
+        ax.set_xlim(0.25, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"WIDE end to end, {data.get('gpu') or data.get('device')}, torch {data.get('torch')}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Re-draw the speedup-vs-capacity plot and the markdown table from an e2e results JSON.
+
+    python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json   # writes e2e-h200.png / .md beside it
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import report as R  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="one or more e2e JSON files (records are merged, later files win)")
+    p.add_argument("--out", default=None, help="output stem (default: the first JSON's path without .json)")
+    a = p.parse_args(argv)
+    data, recs = None, {}
+    for f in a.json:
+        d = json.loads(Path(f).read_text())
+        data = data or d
+        for r in d.get("records", []):
+            recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"])] = r
+    data = dict(data, records=list(recs.values()))
+    data["goals"] = R.goals(data["records"])
+    stem = Path(a.out) if a.out else Path(a.json[0]).with_suffix("")
+    png = R.plot(data, stem.with_suffix(".png"))
+    stem.with_suffix(".md").write_text(R.markdown(data))
+    if len(a.json) > 1:
+        stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    print(f"wrote {png} and {stem.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
