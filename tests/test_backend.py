@@ -1,0 +1,159 @@
+"""The `wide` backend end to end on the CPU (Inductor): torch.compile(backend="wide"), optimize(), generate()
+with a static cache and padded batches, dynamic shapes without a recompile per length, errors, explain."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import wide_compile as wc
+from wide_compile.backend import wide_backend
+from wide_compile.models import tiny_model
+from wide_compile.passes import counters
+
+from test_passes_models import CFG, GptFast, gptfast_pair  # noqa: F401  (the gpt-fast-style Llama)
+
+
+def pair(arch="llama", seed=0, routers_seed=1, **kw):
+    """(model to compile, eager reference) with the same weights and the same routers attached to the reference."""
+    model, ref = tiny_model(arch, seed=seed, **kw), tiny_model(arch, seed=seed, **kw)
+    routers = wc.Routers.init(model, CFG, seed=routers_seed)
+    wc.attach(ref, routers)
+    return model, ref, routers
+
+
+def test_backend_registered_and_entry_point():
+    import wide_compile.backend  # noqa: F401
+
+    assert torch._dynamo.lookup_backend("wide") is wide_backend
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert any(e.name == "wide" and e.value == "wide_compile.backend:wide_backend" for e in eps)
+
+
+def test_torch_compile_backend_wide_attached():
+    model, ref, routers = pair("llama")
+    wc.attach(model, routers)
+    c0 = counters()["rewrite_mlp.rewritten"]
+    cm = torch.compile(model, backend="wide")
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert counters()["rewrite_mlp.rewritten"] - c0 == 2
+
+
+@pytest.mark.parametrize("arch,inductor", [("qwen2", True), ("smollm2", False), ("mistral", False),
+                                          pytest.param("smollm2", True, marks=pytest.mark.slow),
+                                          pytest.param("mistral", True, marks=pytest.mark.slow)])
+def test_optimize_each_arch(arch, inductor):
+    """inductor=False runs the rewritten graph's Python code (the pass result) without Inductor: fast in CI."""
+    model, ref, routers = pair(arch, routers_seed=2)
+    cm = wc.optimize(model, routers, inductor=inductor)
+    assert cm is model and wc.is_attached(model)
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    ex = wc.explain(cm)
+    assert ex.layers and len(ex.layers) % 2 == 0  # 2 layers per compiled graph
+    assert all(r["mlp"]["status"] == "rewritten" and r["attn"]["status"] == "rewritten" for r in ex.layers)
+    assert "layer   0: attention rewritten" in str(ex)
+
+
+def test_optimize_constant_masks_matches_zeroed_dense_oracle():
+    """DESIGN oracle: constant masks == dense model with inactive down_proj / o_proj columns zeroed."""
+    model, oracle = tiny_model("llama", seed=3), tiny_model("llama", seed=3)
+    spec = wc.models.model_spec(model)
+    ga, gf = CFG.num_head_groups(spec), CFG.num_ffn_groups(spec)
+    attn = [torch.tensor([1, 0, 1, 0], dtype=torch.bool), torch.tensor([0, 1, 1, 1], dtype=torch.bool)]
+    ffn = [torch.arange(gf) % 3 != 0, torch.arange(gf) % 2 == 0]
+    routers = wc.Routers.constant(model, CFG, attn=attn, ffn=ffn)
+    with torch.no_grad():
+        for i, layer in enumerate(oracle.model.layers):
+            layer.mlp.down_proj.weight[:, ~ffn[i].repeat_interleave(CFG.ffn_group_size)] = 0
+            layer.self_attn.o_proj.weight[:, ~attn[i].repeat_interleave(spec.head_dim)] = 0
+    cm = wc.optimize(model, routers, inductor=False)
+    ids = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, oracle(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_optimize_gptfast_dense_graph():
+    model, ref = gptfast_pair(seed=9)
+    routers = wc.Routers.init(model.spec, CFG, seed=10)
+    ref.ref_routers = routers
+    cm = wc.optimize(model, routers, inductor=False)
+    idx = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(idx), ref(idx), atol=1e-5, rtol=1e-5)
+    ex = wc.explain(cm)
+    assert ex.graphs[0].form == "dense+routers" and len(ex.layers) == 2 * len(ex.graphs)
+    assert ex.counts["insert_routers.inserted"] == 4 * len(ex.graphs)
+
+
+@pytest.mark.slow
+def test_optimize_gptfast_inductor():
+    model, ref = gptfast_pair(seed=9)
+    routers = wc.Routers.init(model.spec, CFG, seed=10)
+    ref.ref_routers = routers
+    cm = wc.optimize(model, routers)
+    idx = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(idx), ref(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_no_routers_is_a_clear_error():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="no WIDE routers"):
+        wc.optimize(model)
+    with pytest.raises(Exception, match="no WIDE routers"):
+        with torch.no_grad():
+            torch.compile(model, backend="wide")(input_ids=torch.randint(0, 128, (1, 4)))
+
+
+def test_explain_uncompiled_model():
+    model, _, routers = pair("smollm2")
+    wc.attach(model, routers)
+    ex = wc.explain(model)
+    assert len(ex.layers) == 2 and all(r["mlp"]["status"] == "rewritten" for r in ex.layers)
+    assert ex.layers[0]["attn"]["groups"] == 6 and not ex.warnings
+
+
+# ------------------------------------------------------------- one compiled model: generate + dynamic shapes
+@pytest.fixture(scope="module")
+def compiled_llama():
+    model, ref, routers = pair("llama", seed=11, routers_seed=12)
+    with torch.no_grad():  # calibrate to ~50% capacity so masks really vary per token
+        routers.calibrate_(ref, torch.randint(0, 128, (4, 16)), capacity=0.5)
+    return wc.optimize(model, routers), ref
+
+
+def test_generate_static_cache_batch_padding(compiled_llama):
+    cm, ref = compiled_llama
+    torch.manual_seed(0)
+    ids = torch.randint(1, 128, (2, 7))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0  # left padding in the second row
+    kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        out = cm.generate(ids, **kw)
+        expect = ref.generate(ids, **kw)
+    assert torch.equal(out, expect)
+    assert counters()["rewrite_mlp.rewritten"] > 0
+    cap = wc.measure_capacity(ref, ids, attention_mask=am)
+    assert 0.2 < cap["overall"] < 0.9
+
+
+def test_dynamic_lengths_do_not_recompile_each_time(compiled_llama):
+    cm, ref = compiled_llama
+    seen = []
+    c0 = counters()["compiled_graphs"]
+    with torch.no_grad():
+        for b in (1, 3):
+            for s in range(2, 15):
+                ids = torch.randint(0, 128, (b, s))
+                out = cm(input_ids=ids).logits
+                if s in (2, 14):
+                    torch.testing.assert_close(out, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+                seen.append((b, s))
+    new = counters()["compiled_graphs"] - c0
+    assert new <= 3, f"{new} graphs compiled for {len(seen)} shapes"
