@@ -82,12 +82,13 @@ def test_mlp_default_path(T, density, dtype):
     mlp_case(T, D=48, G=4, gs=32, density=density, dtype=dtype, config=None)
 
 
-@pytest.mark.parametrize("path", ["decode", "tile", "sorted"])
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down"])
 @pytest.mark.parametrize("gs", [16, 64, 24])
 @pytest.mark.parametrize("T", [1, 17, 130])
 def test_mlp_paths_group_sizes(T, gs, path):
     G = max(2, 128 // gs)
-    mlp_case(T, D=40, G=G, gs=gs, density=0.5, dtype=torch.float32, config={"path": path}, seed=T + gs)
+    cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}
+    mlp_case(T, D=40, G=G, gs=gs, density=0.5, dtype=torch.float32, config=cfg, seed=T + gs)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -132,11 +133,12 @@ def test_attn_proj(T, density, dtype):
     attn_case(T, D=40, G=4, cols=32, density=density, dtype=dtype, bias=(T % 2 == 1), seed=T)
 
 
-@pytest.mark.parametrize("path", ["decode", "tile", "sorted"])
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down"])
 @pytest.mark.parametrize("cols", [16, 48, 128])
 def test_attn_paths_cols(cols, path):
+    cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}
     attn_case(T=19, D=24, G=3, cols=cols, density=0.5, dtype=torch.float32, bias=True,
-              config={"path": path}, seed=cols)
+              config=cfg, seed=cols)
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16, 64])

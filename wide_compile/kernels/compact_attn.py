@@ -41,5 +41,8 @@ def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, 
     if config:
         cfg.update(config)
     a = a.contiguous()
+    if cfg.get("down") == "dense":  # prefill: mask the input columns, one cuBLAS GEMM (see notes)
+        am = torch.where(mask.repeat_interleave(group_rows, dim=1), a, torch.zeros((), dtype=a.dtype, device=a.device))
+        return torch.mm(am, w_o_t) if b_o is None else torch.addmm(b_o, am, w_o_t)
     mask8 = mask.contiguous().view(torch.uint8)
     return kskip(a, w_o_t, b_o, mask8, G, group_rows, cfg, a.dtype, wrap)

@@ -187,14 +187,18 @@ def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: b
     if small or _interpret():
         return dict(path="decode" if T <= DECODE_T else "sorted", up_bm=16, up_bn=min(32, gs2), up_bk=32,
                     dn_bm=16, dn_bn=32, dn_bk=min(32, gs2), dn_split=2 if T <= DECODE_T else 1,
-                    up_warps=4, up_stages=1, dn_warps=4, dn_stages=1, group_g=2, group_m=2)
+                    up_warps=4, up_stages=1, dn_warps=4, dn_stages=1, group_g=2, group_m=2, down="kskip")
     if T <= DECODE_T:
         return dict(path="decode", up_bm=16, up_bn=min(32, gs2), up_bk=256,
                     dn_bm=16, dn_bn=32, dn_bk=min(64, gs2), dn_split=8,
-                    up_warps=4, up_stages=3, dn_warps=4, dn_stages=3, group_g=8, group_m=8)
+                    up_warps=4, up_stages=4, dn_warps=4, dn_stages=3, group_g=8, group_m=8, down="kskip")
     return dict(path="sorted", up_bm=64 if T <= 256 else 128, up_bn=min(64, gs2), up_bk=64,
                 dn_bm=64 if T <= 256 else 128, dn_bn=128, dn_bk=min(64, gs2), dn_split=1,
-                up_warps=4, up_stages=3, dn_warps=4, dn_stages=4, group_g=16, group_m=8)
+                up_warps=4, up_stages=3, dn_warps=4, dn_stages=4, group_g=16, group_m=8,
+                # measured on the H200 (KERNELS_NOTES.md): with masks that are not shared inside a
+                # 128-token tile the K-skip GEMM cannot skip and runs 1.6x slower than cuBLAS, so the
+                # prefill reduction side is a dense cuBLAS GEMM over a zero-filled h.
+                down="dense")
 
 
 def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap, lists=None):
@@ -254,6 +258,10 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     x = x.contiguous()
     mask8 = mask.contiguous().view(torch.uint8)
     h = alloc((T, F), x.dtype, x.device)
+    if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
+        h = torch.zeros((T, F), dtype=x.dtype, device=x.device)
+        ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap)
+        return torch.mm(h, w_down_t)
     lists = None
     if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"]:  # one mask reorder for both kernels
         lists = tile_lists_triton(mask8.view(torch.bool), cfg["up_bm"], wrap)
