@@ -310,7 +310,8 @@ class ModelBench:
                 stats = M.trained_router_stats(self.ctx.device, self.ctx.dtype,
                                                lambda tok, n: text_ids(tok, n), log=log, gguf=a.smollm2_gguf)
             stats = stats or dict(M.DEFAULT_STATS)
-            rho, tried = M.fit_rho(self.wide_model, self.cfg, self.calib_ids, 0.5, stats, seed=a.seed, log=log)
+            rho, tried = M.fit_rho(self.wide_model, self.cfg, self.calib_ids, 0.5, stats, seed=a.seed, log=log,
+                                   grid=(0.0, 0.9) if a.smoke else M.RHO_GRID)
             self.mask_model = {"stats_target": {k: v for k, v in stats.items() if k != "all"}, "rho": rho,
                                "rank": M.LATENT_RANK, "fit": tried}
             log(f"  correlated mask model: {self.mask_model['stats_target']} -> rho={rho}")
@@ -841,6 +842,8 @@ def parse_args(argv=None):
     dflt("prefill_tokens", [512, 2048, 8192]), dflt("prefill_batch", [1, 4])
     dflt("decode_ctx", [1024, 4096]), dflt("decode_batch", [1, 8])
     dflt("capacities", [1.0, 0.75, 0.5, 0.3])
+    if a.smoke and torch.device(a.device).type == "cpu":
+        torch.set_num_threads(min(2, torch.get_num_threads()))  # tiny shapes: OpenMP spinning only hurts
     a.models = a.models or list(MODELS)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.name = a.name or ("e2e-smoke" if a.smoke else "e2e-h200")

@@ -33,8 +33,7 @@ def test_smoke_records(tmp_path):
     import bench_e2e
 
     _register_fake_backend()
-    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--prefill-batch", "1",
-                           "--profile", "--profile-steps", "1"])
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--prefill-batch", "1"])
     path = tmp_path / "e2e-smoke.json"
     assert path.is_file() and (tmp_path / "e2e-smoke.md").is_file() and (tmp_path / "e2e-smoke.png").is_file()
     on_disk = json.loads(path.read_text())
@@ -54,7 +53,6 @@ def test_smoke_records(tmp_path):
         assert r["static_ms"], r
         assert r["measured_capacity"] == pytest.approx(r["capacity"], abs=0.12)
         assert r["wide_check"]["logits_rel_err"] < 1e-4, r["wide_check"]  # fake backend == eager reference
-        assert "profile" in r
     half = [r for r in recs if r["capacity"] == 0.5]
     assert all(r["static_capacity"] == pytest.approx(0.5, abs=0.03) for r in half)
     assert any(r.get("mask_model") for r in half if r["masks"] == "correlated")
@@ -90,3 +88,17 @@ def test_time_budget_stops(tmp_path):
     data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--time-budget-s", "0", "--no-plot"])
     assert data["records"] == []
     assert any("budget" in s for s in data["skipped"])
+
+
+def test_profile_mode(tmp_path):
+    import bench_e2e
+
+    _register_fake_backend()
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "prefill",
+                           "--prefill-batch", "1", "--capacities", "0.5", "--masks", "random", "--variants",
+                           "wide", "--profile", "--profile-steps", "1", "--no-plot"])
+    (r,) = data["records"]
+    assert set(r["profile"]) == {"wide"}
+    assert "gemm" in r["profile"]["wide"]
+    text = (tmp_path / "e2e-smoke-profile.txt").read_text()
+    assert "--- wide ---" in text and "by category" in text

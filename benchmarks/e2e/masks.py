@@ -173,11 +173,12 @@ def mask_stats(model, routers: Routers, ids: torch.Tensor, n_pairs: int = 4096, 
     return {k: (sum(v) / len(v) if v else None) for k, v in out.items()}
 
 
-def fit_rho(model, cfg_fn, calib_ids, capacity: float, stats: dict, seed: int = 0, log=print) -> tuple[float, list]:
+def fit_rho(model, cfg_fn, calib_ids, capacity: float, stats: dict, seed: int = 0, log=print,
+            grid=RHO_GRID) -> tuple[float, list]:
     """Grid search of rho so the synthetic masks' kappa matches stats["kappa"] (at this capacity)."""
     target = stats["kappa"]
     tried = []
-    for rho in RHO_GRID:
+    for rho in grid:
         r = correlated_routers(model, cfg_fn(capacity), calib_ids, capacity, rho, stats, seed=seed)
         st = mask_stats(model, r, calib_ids)
         tried.append({"rho": rho, "kappa": st["kappa"], "rate_logit_std": st["rate_logit_std"]})

@@ -163,8 +163,8 @@ class MemTracker:
 
 
 def free(device) -> None:
-    gc.collect()
     if is_cuda(device):
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -172,7 +172,7 @@ def free(device) -> None:
 # -- per-op profile -----------------------------------------------------------------------------
 CATEGORIES = [
     ("wide_ops", re.compile(r"wide|compact|reorder|gather|scatter|moe|align|grouped|sort|index", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|cublas|nvjet|matmul|mm_|_mm|sm90|wgmma|addmm", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|cublas|nvjet|matmul|mm_|_mm|::mm$|::bmm|sm90|wgmma|addmm|linear", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient|softmax", re.I)),
     ("triton_fused", re.compile(r"triton", re.I)),
 ]
