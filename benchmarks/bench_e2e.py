@@ -557,12 +557,17 @@ class ModelBench:
                                 log(f"    SKIP wide: {why}")
                             else:
                                 def mk_wide(routers=routers):
+                                    ro = phase == "decode" and cuda and a.wide_decode_mode == "reduce-overhead"
+                                    kw = {"mode": "reduce-overhead"} if ro else {}
                                     if a.wide_entry == "optimize":
-                                        m = wc.optimize(self.wide_model, routers)
+                                        m = wc.optimize(self.wide_model, routers, dynamic=False, **kw)
                                     else:
-                                        m = self.compiled(self.wide_model, backend=a.wide_backend)
+                                        m = self.compiled(self.wide_model, backend=a.wide_backend, **kw)
                                     st = step_of(m)
-                                    if phase == "decode":
+                                    if ro:
+                                        return st, ro_reset(reset), {"entry": a.wide_entry,
+                                                                     "mode": "reduce-overhead"}
+                                    if phase == "decode" and a.wide_decode_mode == "manual-graph":
                                         try:
                                             return graphed(st, reset, {"entry": a.wide_entry})
                                         except Exception as e:  # noqa: BLE001
@@ -719,6 +724,8 @@ class ModelBench:
         d, w, s = rec.get("dense_inductor_ms"), rec.get("wide_ms"), rec.get("static_ms")
         rec["speedup"] = round(d / w, 4) if d and w else None
         rec["static_speedup"] = round(d / s, 4) if d and s else None
+        ma = rec.get("dense_max_autotune_ms")
+        rec["speedup_vs_max_autotune"] = round(ma / w, 4) if ma and w else None
         rec["wide_over_static"] = round(w / s, 4) if w and s else None
         rec["peak_mem_mb"] = rec.get("wide_peak_mem_mb")
         rec["compile_s"] = rec.get("wide_compile_s")
@@ -776,7 +783,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-batch", nargs="+", type=int, default=None, help="default 1 8")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers of the random-weight models (default: the real depth 32/28/30)")
-    p.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), choices=ALL_VARIANTS)
+    p.add_argument("--variants", nargs="+", default=None, choices=ALL_VARIANTS,
+                   help="default: all (--quick: all but max_autotune, whose GEMM autotuning alone takes minutes)")
     p.add_argument("--quick", action="store_true",
                    help="8B shape, 8 layers, prefill 2048 b1, decode ctx 1024 b1, capacities 1.0 0.5, "
                         "random+correlated (< 5 min on an H200)")
@@ -810,6 +818,9 @@ def parse_args(argv=None):
     p.add_argument("--wide-entry", choices=["backend", "optimize"], default="backend",
                    help="backend: torch.compile(model, backend=...); optimize: wide_compile.optimize(model, routers)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode without manual CUDA graphs")
+    p.add_argument("--wide-decode-mode", choices=["manual-graph", "reduce-overhead", "none"], default="manual-graph",
+                   help="WIDE decode: capture the compiled step in a CUDA graph here (default), or pass "
+                        "mode='reduce-overhead' to the wide backend (Inductor CUDA graphs), or no graphs")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "
@@ -827,6 +838,8 @@ def parse_args(argv=None):
         dflt("prefill_tokens", [2048]), dflt("prefill_batch", [1])
         dflt("decode_ctx", [1024]), dflt("decode_batch", [1])
         dflt("capacities", [1.0, 0.5])
+        dflt("variants", [v for v in ALL_VARIANTS if v != "max_autotune"])
+        dflt("time_budget_s", 240.0)
         a.target_s = min(a.target_s, 0.6)
     if a.smoke:
         a.models = ["tiny"]
@@ -842,6 +855,7 @@ def parse_args(argv=None):
     dflt("prefill_tokens", [512, 2048, 8192]), dflt("prefill_batch", [1, 4])
     dflt("decode_ctx", [1024, 4096]), dflt("decode_batch", [1, 8])
     dflt("capacities", [1.0, 0.75, 0.5, 0.3])
+    dflt("variants", list(ALL_VARIANTS))
     if a.smoke and torch.device(a.device).type == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))  # tiny shapes: OpenMP spinning only hurts
     a.models = a.models or list(MODELS)
