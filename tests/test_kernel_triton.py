@@ -17,9 +17,7 @@ from wide_compile.kernels import reference as R  # noqa: E402
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
 from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
 
-MR = importlib.import_module("wide_compile.kernels.mask_reorder")
-# importing the submodule rebinds the package attribute to the module: restore the public function
-importlib.import_module("wide_compile.kernels").mask_reorder = importlib.import_module("wide_compile.kernels.ops").mask_reorder
+MR = importlib.import_module("wide_compile.kernels.reorder")
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
     pytestmark = pytest.mark.skip("these tests need TRITON_INTERPRET=1 (set before triton import)")

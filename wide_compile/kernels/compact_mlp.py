@@ -26,13 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mask_reorder import _launcher, alloc, tile_lists_triton, group_lists_triton
-from . import ops as _ops
-import sys as _sys
-
-# importing the submodule above rebinds the package attribute ``mask_reorder`` to the module;
-# restore the public function (the module is callable too, but Dynamo cannot trace a module call).
-setattr(_sys.modules[__package__], "mask_reorder", _ops.mask_reorder)
+from .reorder import _launcher, alloc, tile_lists_triton, group_lists_triton
 
 
 @triton.jit(do_not_specialize=["T"])

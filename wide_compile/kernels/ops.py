@@ -1,6 +1,6 @@
 """torch.library registration of the WIDE ops (namespace ``wide``).
 
-* CUDA tensors: Triton kernels (compact_mlp / compact_attn / mask_reorder), launched through
+* CUDA tensors: Triton kernels (compact_mlp / compact_attn / reorder), launched through
   ``torch.library.wrap_triton`` inside ``torch.library.triton_op`` so Inductor can see them.
 * Any other device (CPU): the plain PyTorch reference (reference.py).
 * Fake/meta: ``triton_op`` registers the same body as the fake impl; every output shape is a
@@ -49,7 +49,7 @@ def _o_proj_impl(a: Tensor, w_o_t: Tensor, b_o: Optional[Tensor], mask: Tensor, 
 
 def _mask_reorder_impl(mask: Tensor, block_m: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     if _is_cuda(mask):
-        from .mask_reorder import mask_reorder_triton
+        from .reorder import mask_reorder_triton
         return mask_reorder_triton(mask, block_m, wrap=True)
     return _ref.mask_reorder_ref(mask, block_m)
 
@@ -108,6 +108,6 @@ def wide_o_proj(a: Tensor, w_o_t: Tensor, b_o: Optional[Tensor], mask: Tensor, g
 def mask_reorder(mask: Tensor, block_m: int):
     """mask [..., G] bool, block_m a power of two -> (tile_groups [n_tiles, G], tile_counts [n_tiles],
     sorted_token_ids [G*n_tiles*block_m], block_groups [G*n_tiles], num_tokens_post_padded [1]),
-    all int32, n_tiles = ceil(T / block_m).  See mask_reorder.py for the layout."""
+    all int32, n_tiles = ceil(T / block_m).  See reorder.py for the layout."""
     G = mask.shape[-1]
     return torch.ops.wide.mask_reorder(_flat(mask, G).to(torch.bool), int(block_m))

@@ -57,7 +57,7 @@ def o_proj_ref(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int) -> 
 
 
 def mask_reorder_ref(mask: torch.Tensor, block_m: int) -> Tuple[torch.Tensor, ...]:
-    """Reference for ``mask_reorder`` (see ``mask_reorder.py`` for the layout).
+    """Reference for ``mask_reorder`` (see ``reorder.py`` for the layout).
 
     Returns (tile_groups, tile_counts, sorted_token_ids, block_groups, num_tokens_post_padded).
     Pure tensor ops, no host sync, static worst-case sizes.

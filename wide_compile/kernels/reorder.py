@@ -153,17 +153,3 @@ def mask_reorder_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     tg, tc = tile_lists_triton(mask, block_m, wrap)
     s, b, n = group_lists_triton(mask, block_m, wrap)
     return tg, tc, s, b, n
-
-
-# ``wide_compile.kernels.mask_reorder`` is both this module and the public function of the same
-# name (exported by the package).  Importing this submodule rebinds the package attribute to the
-# module, so make the module itself callable as the public function to keep both spellings valid.
-class _CallableModule(type(torch)):
-    def __call__(self, mask, block_m):
-        from .ops import mask_reorder as _public
-        return _public(mask, block_m)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule
