@@ -57,6 +57,7 @@ KEY = {"eager": "eager_dense", "inductor": "dense_inductor", "max_autotune": "de
        "inductor_cg": "dense_inductor_cg", "static": "static", "wide": "wide", "wide_eager": "wide_eager",
        "trt": "trt"}
 MODELS = ("llama-3.1-8b", "llama-3.2-3b", "smollm2-135m")
+PER_ROW = ("inductor", "inductor_cg")  # dense variants timed in every row (the rest once per workload)
 TEXT = ("The history of the region begins with small farming villages along the river, where families grew "
         "wheat and barley and kept sheep on the hills. Over the centuries the villages became towns, and the "
         "towns were joined by roads that carried grain, wool and news. Merchants built warehouses near the "
@@ -459,6 +460,13 @@ class ModelBench:
                               {"mode": "reduce-overhead"})
             return self.prepare("inductor", "dense_inductor", mk, shared, wl)
 
+        def prepare_cg():
+            if phase != "decode" or "inductor_cg" not in V or not cuda:
+                return None
+            return self.prepare("inductor_cg", "dense_inductor_cg",
+                                lambda: graphed(step_of(ind(self.dense)), reset, {"mode": "default+cudagraph"}),
+                                shared, wl)
+
         with torch.no_grad():
             v = prepare_ref()
             if v:
@@ -475,9 +483,7 @@ class ModelBench:
                     dense_vars["max_autotune"] = v
             if phase == "decode" and "inductor_cg" in V:
                 if cuda:
-                    v = self.prepare("inductor_cg", "dense_inductor_cg",
-                                     lambda: graphed(step_of(ind(self.dense)), reset, {"mode": "default+cudagraph"}),
-                                     shared, wl)
+                    v = prepare_cg()
                     if v:
                         dense_vars["inductor_cg"] = v
                 else:
@@ -582,9 +588,10 @@ class ModelBench:
                             wide_eager_v = self.prepare("wide_eager", "wide_eager",
                                                         lambda: (step_of(self.wide_model), reset, {}), shared, rw)
                     # ---- time this row: reference + static + wide (+ extras the first time) ----
-                    group = [v for v in (ref, static_v, wide_v, wide_eager_v) if v is not None]
+                    cg = dense_vars.get("inductor_cg")  # decode: same capture method as WIDE, every row
+                    group = [v for v in (ref, cg, static_v, wide_v, wide_eager_v) if v is not None]
                     if not extras_timed:
-                        group += [v for k, v in dense_vars.items() if k != "inductor"]
+                        group += [v for k, v in dense_vars.items() if k not in PER_ROW]
                     for v in group:
                         v.times_ms = []
                     n0 = graph_count()
@@ -602,11 +609,11 @@ class ModelBench:
                         except Exception as e:  # noqa: BLE001
                             rw["errors"]["check"] = f"{type(e).__name__}: {str(e)[:300]}"
                     if not extras_timed:
-                        extras = {k: v.summary() for k, v in dense_vars.items() if k != "inductor"}
+                        extras = {k: v.summary() for k, v in dense_vars.items() if k not in PER_ROW}
                         self._extras = {k: (v.compile_s, v.peak_mem_mb, extras[k]) for k, v in dense_vars.items()
-                                        if k != "inductor"}
+                                        if k not in PER_ROW}
                         extras_timed = True
-                    for k in [k for k in dense_vars if k != "inductor"]:
+                    for k in [k for k in dense_vars if k not in PER_ROW]:
                         dense_vars.pop(k)  # extras are timed once per workload: release their graphs now
                     prof = None
                     if a.profile and cuda or (a.profile and a.smoke):
@@ -615,7 +622,7 @@ class ModelBench:
                     for mm in emit_masks:
                         rec = self.base_record(phase, tokens, batch, cap, mm)
                         self.fill(rec, ref, static_v, wide_v, wide_eager_v, st_shape, measured, routers, rw,
-                                  recompiled, prof, shared_measurement=(masks == "all-on"))
+                                  recompiled, prof, shared_measurement=(masks == "all-on"), cg=cg)
                         ctx.records = [r for r in ctx.records if row_key(r) != row_key(rec)] + [rec]
                         log(R.one_line(rec))
                     ctx.write()
@@ -625,20 +632,23 @@ class ModelBench:
                         wc.detach(self.wide_model)
                     del wide_v, wide_eager_v
                     free(dev)
-                    if cuda and self.memory_high():
-                        # compiled WIDE graphs stay in Dynamo's cache (with any weight copies the backend
-                        # made) until a reset; reset, and re-prepare the reference (Inductor's cache is warm)
-                        log(f"    memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated: "
-                            "torch._dynamo.reset() and re-preparing dense Inductor")
-                        ref = None
-                        dense_vars.clear()
-                        torch._dynamo.reset()
-                        free(dev)
-                        ref = prepare_ref()
-                        if ref:
-                            dense_vars["inductor"] = ref
                 del static_v
                 free(dev)
+                if cuda and self.memory_high() and cap != caps[-1]:
+                    # compiled WIDE graphs stay in Dynamo's cache (with any weight copies the backend made)
+                    # until a reset: reset, and re-prepare the per-row references (Inductor's cache is warm)
+                    log(f"    memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated: "
+                        "torch._dynamo.reset() and re-preparing the dense references")
+                    ref = None
+                    dense_vars.clear()
+                    torch._dynamo.reset()
+                    free(dev)
+                    ref = prepare_ref()
+                    if ref:
+                        dense_vars["inductor"] = ref
+                    cgv = prepare_cg()
+                    if cgv:
+                        dense_vars["inductor_cg"] = cgv
         dense_vars.clear()
         ref = None
         self._extras = {}
@@ -684,7 +694,7 @@ class ModelBench:
                 "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks}
 
     def fill(self, rec, ref, static_v, wide_v, wide_eager_v, st_shape, measured, routers, rw, recompiled, prof,
-             shared_measurement=False):
+             shared_measurement=False, cg=None):
         def put(prefix, v):
             if v is None:
                 rec[f"{prefix}_ms"] = None
@@ -701,6 +711,8 @@ class ModelBench:
             return rec[f"{prefix}_ms"]
 
         put("dense_inductor", ref)
+        if cg is not None:
+            put("dense_inductor_cg", cg)
         for k, (c_s, mem, s) in getattr(self, "_extras", {}).items():
             key = KEY[k]
             rec[f"{key}_ms"] = round(s["median"], 4) if s else None
@@ -724,6 +736,8 @@ class ModelBench:
         d, w, s = rec.get("dense_inductor_ms"), rec.get("wide_ms"), rec.get("static_ms")
         rec["speedup"] = round(d / w, 4) if d and w else None
         rec["static_speedup"] = round(d / s, 4) if d and s else None
+        dcg = rec.get("dense_inductor_cg_ms")
+        rec["speedup_vs_graphed_default"] = round(dcg / w, 4) if dcg and w else None
         ma = rec.get("dense_max_autotune_ms")
         rec["speedup_vs_max_autotune"] = round(ma / w, 4) if ma and w else None
         rec["wide_over_static"] = round(w / s, 4) if w and s else None
