@@ -190,3 +190,16 @@ def test_token_kinds():
             return ["Ġthe", "ĠCat", "ing", "Ġ42", "Ġof"][t]
     k = report.token_kinds(Tok(), torch.tensor([0, 1, 2, 3, 4]))
     assert k.tolist() == [0, 1, 2, 2, 0]
+
+
+def test_shipped_smollm2_routers_load():
+    from wide_compile.models import ModelSpec
+    from wide_compile.pretrained import lora_path
+    names = wc.Routers.available()
+    assert "smollm2-135m-c50" in names and not any(n.endswith(".lora") for n in names)
+    spec = ModelSpec(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64)
+    r = wc.Routers.pretrained("smollm2-135m-c50", spec)
+    assert r.name == "smollm2-135m-c50" and len(r.attn) == 30 and r.cfg.capacity == 0.5
+    assert lora_path("smollm2-135m-c50") is not None and lora_path("nope") is None
+    with pytest.raises(ValueError):
+        wc.Routers.pretrained("smollm2-135m-c50.lora", spec)

@@ -110,6 +110,9 @@ def main(argv=None):
     ap.add_argument("--s2-lr", type=float, default=1e-3)
     ap.add_argument("--joint", action="store_true", help="also run WIDE stage 2 with jointly trained routers")
     ap.add_argument("--no-stage2", action="store_true")
+    ap.add_argument("--s2-recalibrate", action="store_true",
+                    help="after stage 2, re-fit the routers' global offset on the LoRA-merged model so the "
+                         "capacity on held-out text is the target again (the LoRA shifts the hidden states)")
     ap.add_argument("--eval-batch", type=int, default=64)
     ap.add_argument("--ppl-ctx", type=int, default=1024)
     ap.add_argument("--ppl-stride", type=int, default=512)
@@ -186,8 +189,9 @@ def main(argv=None):
         res_path.write_text(json.dumps(results, indent=1))
         (out / "table.md").write_text(report.markdown_table(results["records"]))
         with tarfile.open(out / "artifacts.tar", "w") as tf:
-            for p in sorted(art.glob("*")):
-                tf.add(p, arcname=p.name)
+            for p in sorted(art.glob("*")):  # routers, and the WIDE LoRAs (baseline LoRAs stay in --work)
+                if not p.name.endswith(".lora.safetensors") or p.name.startswith("wide-"):
+                    tf.add(p, arcname=p.name)
 
     task_dict_cache = {}
 
@@ -253,7 +257,7 @@ def main(argv=None):
             else:
                 cfg = Stage1Config(capacity=cap, steps=a.s1_steps, batch_size=a.batch_size, seq_len=a.seq_len,
                                    lr=a.s1_lr, cap_weight=a.cap_weight, lm_weight=a.lm_weight, seed=a.seed,
-                                   ckpt_every=max(50, a.s1_steps // 4))
+                                   ckpt_every=max(50, a.s1_steps // 4), calib_blocks=len(calib))
                 if method == "skipgpt":
                     s = baselines.skipgpt_config(model, cap)
                     cfg.head_group_size, cfg.ffn_group_size = s.head_group_size, s.ffn_group_size
@@ -287,6 +291,11 @@ def main(argv=None):
                                          progress=False)
             est["s2_step"] = max(0.01, (time.time() - t0 - 5) / a.s2_steps)
             shutil.copy(work / name / "lora.safetensors", art / f"{method}-{tag}-s2.lora.safetensors")
+            if a.s2_recalibrate and method != "static":
+                from ..training.stage1 import calibrate_offset_
+
+                calibrate_offset_(merged, r2, calib, cap, log=log)
+                r2.save(art / f"{method}-{tag}-s2.safetensors")
             held = deterministic_capacity(merged, r2, calib)
             evaluate(merged, method, 2, cap, r2, train_s=round(time.time() - t0, 1),
                      capacity_heldout=held["overall"], train_final={"kd": merged.train_history[-1]["kd"]})

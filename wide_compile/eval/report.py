@@ -150,10 +150,25 @@ def _avg(rec: dict, metric: str) -> float | None:
     return sum(t[k][metric] for k in TASKS) / len(TASKS)
 
 
+def informative_tasks(dense: dict, margin: float = 0.05) -> list[str]:
+    """Tasks on which the dense model is at least `margin` above chance (acc). Retention on a task where
+    the dense model is at (or below) chance measures label bias, not kept ability."""
+    return [t for t in TASKS if t in (dense.get("tasks") or {}) and dense["tasks"][t]["acc"] - CHANCE[t] >= margin]
+
+
 def add_retention(records: list[dict]) -> list[dict]:
     dense = next((r for r in records if r["method"] == "dense"), None)
     chance = sum(CHANCE[t] for t in TASKS) / len(TASKS)
+    if dense is not None:
+        inf = informative_tasks(dense)
+        ch_i = sum(CHANCE[t] for t in inf) / max(1, len(inf))
+        d_i = sum(dense["tasks"][t]["acc"] for t in inf) / max(1, len(inf))
     for r in records:
+        if dense is not None and inf and all(t in (r.get("tasks") or {}) for t in inf):
+            a_i = sum(r["tasks"][t]["acc"] for t in inf) / len(inf)
+            r["informative_tasks"] = inf
+            r["retention_informative_acc"] = a_i / d_i
+            r["retention_informative_above_chance_acc"] = (a_i - ch_i) / (d_i - ch_i)
         for m in ("acc", "acc_norm"):
             a = _avg(r, m)
             r[f"avg_{m}"] = a
@@ -167,7 +182,8 @@ def add_retention(records: list[dict]) -> list[dict]:
 def markdown_table(records: list[dict]) -> str:
     add_retention(records)
     head = ("| method | stage | cap. target | cap. measured | " + " | ".join(TASKS) +
-            " | avg acc | retention (raw) | retention (above chance) | avg acc_norm | WikiText-2 ppl |")
+            " | avg acc | retention (raw) | retention (above chance) | retention, informative tasks (raw / above"
+            " chance) | avg acc_norm | WikiText-2 ppl |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     order = {"dense": 0, "wide": 1, "static": 2, "skipgpt": 3}
     for r in sorted(records, key=lambda r: (-r["capacity_target"], order.get(r["method"], 9), r.get("variant", ""),
@@ -178,9 +194,13 @@ def markdown_table(records: list[dict]) -> str:
         name = r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
         lines.append(f"| {name} | {r['stage']} | {r['capacity_target']:.2f} | {f(r.get('capacity_measured'))} | "
                      + " | ".join(cells) + f" | {f(r.get('avg_acc'))} | {f(r.get('retention_acc'))} | "
-                     f"{f(r.get('retention_above_chance_acc'))} | {f(r.get('avg_acc_norm'))} | "
+                     f"{f(r.get('retention_above_chance_acc'))} | {f(r.get('retention_informative_acc'))} / "
+                     f"{f(r.get('retention_informative_above_chance_acc'))} | {f(r.get('avg_acc_norm'))} | "
                      f"{f(r.get('wikitext2_ppl'), 2)} |")
-    return "\n".join(lines) + "\n\nTask cells: acc/acc_norm. Retention uses acc (averaged over the five tasks).\n"
+    inf = next((r.get("informative_tasks") for r in records if r.get("informative_tasks")), None)
+    note = ("\n\nTask cells: acc/acc_norm. Retention uses acc averaged over the five tasks; 'informative tasks' "
+            f"are those where dense is >= 5 points above chance ({', '.join(inf or [])}).\n")
+    return "\n".join(lines) + note
 
 
 def write_report(results_path, md_path=None, png_path=None) -> str:

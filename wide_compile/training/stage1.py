@@ -50,6 +50,7 @@ class Stage1Config:
     seed: int = 0
     ckpt_every: int = 100
     calibrate: bool = True
+    calib_blocks: int = 32  # held-out blocks used by the capacity calibration
     amp: bool = False  # bf16 autocast on CUDA (default: run the model in its own dtype, routers fp32)
     # router shape
     ffn_group_size: int = 64
@@ -281,7 +282,7 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
     routers.eval()
     routers.requires_grad_(False)
     if cfg.calibrate:
-        calibrate_offset_(model, routers, blocks.heldout[:32], cfg.capacity, amp=cfg.amp, log=log)
+        calibrate_offset_(model, routers, blocks.heldout[:cfg.calib_blocks], cfg.capacity, amp=cfg.amp, log=log)
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         routers.save(Path(out_dir) / "routers.safetensors")
