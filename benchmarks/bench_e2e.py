@@ -94,8 +94,13 @@ class Ctx:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
+    deadline: float | None = None  # soft deadline of the current (model, phase): a share of the budget
+
     def over_budget(self) -> bool:
-        return self.args.time_budget_s is not None and self.elapsed() > self.args.time_budget_s
+        if self.args.time_budget_s is None:
+            return False
+        limit = self.args.time_budget_s if self.deadline is None else min(self.deadline, self.args.time_budget_s)
+        return self.elapsed() > limit
 
     def skip(self, msg: str):
         log(f"  SKIP {msg}")
@@ -348,6 +353,17 @@ class ModelBench:
             r = min(cands, key=lambda c: c[0])[2]
         else:
             raise ValueError(masks)
+        try:  # capacity on the calibration tokens (the decode rows' per-step figure is one token's)
+            import wide_compile as wc
+
+            wc.attach(self.wide_model, r)
+            try:
+                with torch.no_grad():
+                    r.calib_capacity = round(wc.measure_capacity(self.wide_model, self.calib_ids)["overall"], 4)
+            finally:
+                wc.detach(self.wide_model)
+        except Exception as e:  # noqa: BLE001
+            log(f"    measure_capacity on calibration tokens failed: {type(e).__name__}: {e}")
         self.routers[key] = r
         return r
 
@@ -748,6 +764,7 @@ class ModelBench:
             rec["measured_capacity_attn"] = measured["attn"]
             rec["measured_capacity_ffn"] = measured["ffn"]
         if routers is not None:
+            rec["calibrated_capacity"] = getattr(routers, "calib_capacity", None)
             rec["ffn_group_size"] = routers.cfg.ffn_group_size
             rec["head_group_size"] = routers.cfg.head_group_size
         if rec["masks"] == "correlated" and self.mask_model and rec["capacity"] < 0.9999:
@@ -810,6 +827,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting new variants/rows once this many seconds have passed")
+    p.add_argument("--no-budget-split", action="store_true",
+                   help="let the first (model, phase) use the whole --time-budget-s (default: each gets a share)")
     p.add_argument("--resume", action="store_true", help="load <out>/<name>.json and skip rows already complete")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler table of the top kernels of the WIDE / static / dense steps per row")
@@ -851,7 +870,7 @@ def parse_args(argv=None):
         a.layers = a.layers or 8
         dflt("prefill_tokens", [2048]), dflt("prefill_batch", [1])
         dflt("decode_ctx", [1024]), dflt("decode_batch", [1])
-        dflt("capacities", [1.0, 0.5])
+        dflt("capacities", [0.5, 1.0])  # the goal rows first
         dflt("variants", [v for v in ALL_VARIANTS if v != "max_autotune"])
         dflt("time_budget_s", 240.0)
         a.target_s = min(a.target_s, 0.6)
@@ -892,7 +911,9 @@ def main(argv=None) -> dict:
         if why and what in a.variants:
             ctx.skip(f"{what}: {why}")
     ctx.write()
+    units = [(m, ph) for m in a.models for ph in a.phases]
     for name in a.models:
+        ctx.deadline = None
         if ctx.over_budget():
             ctx.skip(f"{name}: time budget exceeded before start")
             continue
@@ -900,6 +921,10 @@ def main(argv=None) -> dict:
         try:
             mb = ModelBench(ctx, name)
             for phase in a.phases:
+                if a.time_budget_s is not None and not a.no_budget_split:
+                    # each (model, phase) may use the budget up to its share's end, so a slow first phase
+                    # cannot starve the others; time a fast one leaves over goes to the next
+                    ctx.deadline = a.time_budget_s * (units.index((name, phase)) + 1) / len(units)
                 work = ([(t, b) for t in a.prefill_tokens for b in a.prefill_batch] if phase == "prefill"
                         else [(t, b) for t in a.decode_ctx for b in a.decode_batch])
                 for tokens, batch in work:
