@@ -147,8 +147,8 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         opt.step()
         sched.step()
-        hist.append({"step": step + 1, "kd": float(loss_kd), "lm": float(loss_lm)})
-        bar.set_postfix(kd=f"{float(loss_kd):.3f}")
+        hist.append({"step": step + 1, "kd": float(loss_kd.detach()), "lm": float(loss_lm.detach())})
+        bar.set_postfix(kd=f"{float(loss_kd.detach()):.3f}")
         if ck is not None and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
             from safetensors.torch import save_file
 
