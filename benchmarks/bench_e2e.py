@@ -313,8 +313,11 @@ class ModelBench:
             a = self.ctx.args
             stats = None
             if not a.no_trained_stats:
-                stats = M.trained_router_stats(self.ctx.device, self.ctx.dtype,
-                                               lambda tok, n: text_ids(tok, n), log=log, gguf=a.smollm2_gguf)
+                if not hasattr(self.ctx, "trained_stats"):  # measured once per run
+                    self.ctx.trained_stats = M.trained_router_stats(
+                        self.ctx.device, self.ctx.dtype, lambda tok, n: text_ids(tok, n), log=log,
+                        gguf=a.smollm2_gguf)
+                stats = self.ctx.trained_stats
             stats = stats or dict(M.DEFAULT_STATS)
             rho, tried = M.fit_rho(self.wide_model, self.cfg, self.calib_ids, 0.5, stats, seed=a.seed, log=log,
                                    grid=(0.0, 0.9) if a.smoke else M.RHO_GRID)
