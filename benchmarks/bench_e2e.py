@@ -199,8 +199,39 @@ def graph_count() -> int:
         return -1
 
 
+_TEXT_FILE: str | None = None
+
+
+def load_text(path: str, max_chars: int = 400_000) -> str:
+    """Plain text, or JSONL(.gz) with a "text" field per line."""
+    import gzip
+
+    op = gzip.open if path.endswith(".gz") else open
+    out, n = [], 0
+    with op(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if ".jsonl" in path:
+                try:
+                    line = json.loads(line).get("text", "")
+                except Exception:  # noqa: BLE001
+                    continue
+            out.append(line)
+            n += len(line)
+            if n >= max_chars:
+                break
+    return "\n".join(out)
+
+
 def text_ids(tok, n: int, batch: int = 1) -> torch.Tensor:
-    ids = tok(TEXT, return_tensors="pt")["input_ids"][0]
+    """Real text for the real SmolLM2 (trained routers): --text-file if given, else a built-in paragraph
+    (repeated to length: repetition makes masks of repeated tokens alike, so prefer a file)."""
+    text = TEXT
+    if _TEXT_FILE:
+        try:
+            text = load_text(_TEXT_FILE)
+        except OSError as e:
+            log(f"  --text-file {_TEXT_FILE}: {e}; using the built-in paragraph")
+    ids = tok(text, return_tensors="pt")["input_ids"][0]
     reps = (n + ids.numel() - 1) // ids.numel()
     return ids.repeat(reps)[:n].unsqueeze(0).repeat(batch, 1)
 
@@ -847,6 +878,8 @@ def parse_args(argv=None):
     p.add_argument("--smollm2-weights", choices=["auto", "random"], default="auto",
                    help="auto: the real SmolLM2 if it loads without network, else its shape with random weights")
     p.add_argument("--smollm2-gguf", default=None, help="path of SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--text-file", default=None,
+                   help="text (.txt or .jsonl[.gz] with 'text') for the real SmolLM2 / trained-router statistics")
     p.add_argument("--no-trained-stats", action="store_true",
                    help="do not fit correlated masks to trained routers; use the synthetic defaults")
     p.add_argument("--no-trained-masks", action="store_true")
@@ -902,6 +935,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    global _TEXT_FILE
+    _TEXT_FILE = a.text_file
     set_dynamo_limits()
     torch.manual_seed(a.seed)
     ctx = Ctx(a)
