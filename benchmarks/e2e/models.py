@@ -64,9 +64,8 @@ def _materialize_rotary(model: nn.Module, device) -> None:
     for mod in model.modules():
         if isinstance(getattr(mod, "inv_freq", None), torch.Tensor):
             params = inspect.signature(type(mod).__init__).parameters
-            kw = {"device": device} if "device" in params else {}
-            with torch.device(device):
-                fresh = type(mod)(config=mod.config, **kw) if "config" in params else type(mod)(**kw)
+            with torch.device(device):  # the default device places inv_freq (no deprecated device= kwarg)
+                fresh = type(mod)(config=mod.config) if "config" in params else type(mod)()
             for k, b in fresh._buffers.items():
                 mod._buffers[k] = b
             for k, v in vars(fresh).items():
