@@ -131,8 +131,11 @@ def plot(data: dict, path) -> Path:
                 if pts:
                     ax.plot(*zip(*pts), styles.get(masks, "-"), marker="o", color=col,
                             label=f"WIDE {t}x{b} {masks}")
-            st = sorted({(r["capacity"], r["static_speedup"]) for r in rs
-                         if (r["tokens"], r["batch"]) == (t, b) and r.get("static_speedup")})
+            by_cap: dict = {}
+            for r in rs:  # the static model is re-timed in every row: one point per capacity (median)
+                if (r["tokens"], r["batch"]) == (t, b) and r.get("static_speedup"):
+                    by_cap.setdefault(r["capacity"], []).append(r["static_speedup"])
+            st = sorted((c, sorted(v)[len(v) // 2]) for c, v in by_cap.items())
             if st:
                 ax.plot(*zip(*st), ":", marker="s", color=col, alpha=0.5, label=f"static {t}x{b}")
         caps = [0.3, 0.5, 0.75, 1.0]
