@@ -256,7 +256,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     if config:
         cfg.update(config)
     x = x.contiguous()
-    mask8 = mask.contiguous().view(torch.uint8)
+    mask8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
     h = alloc((T, F), x.dtype, x.device)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)

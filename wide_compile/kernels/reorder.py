@@ -122,7 +122,7 @@ def _launcher(kernel, wrap):
 def tile_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
-    m8 = mask.contiguous().view(torch.uint8)
+    m8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
     tg = alloc((n_tiles, G), torch.int32, mask.device)
     tc = alloc((n_tiles,), torch.int32, mask.device)
     _launcher(_tile_lists_kernel, wrap)[(n_tiles,)](
@@ -134,7 +134,7 @@ def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False, wit
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
     P = G * n_tiles * block_m
-    m8 = mask.contiguous().view(torch.uint8)
+    m8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
     cnt = alloc((G,), torch.int32, mask.device)
     sorted_ids = alloc((P,), torch.int32, mask.device)
     bgroups = alloc((G * n_tiles,), torch.int32, mask.device)
