@@ -212,14 +212,14 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
     w2_ = w2 if w2 is not None else w1
     b_ = bias if bias is not None else w1
     if cfg["path"] == "sorted":
-        sorted_ids, bgroups, ntpp, gblk = group_lists_triton(mask8.view(torch.bool), bm, wrap, True)
+        sorted_ids, bgroups, ntpp, gblk = group_lists_triton(mask8, bm, wrap, True)
         k[(bgroups.shape[0], nsub)](
             x, w1, w2_, b_, out, mask8, bgroups, gblk, sorted_ids, ntpp,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
-        tg, tc = lists if lists is not None else tile_lists_triton(mask8.view(torch.bool), bm, wrap)
+        tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
         k[(tg.shape[0], G, nsub)](
             x, w1, w2_, b_, out, mask8, tg, tc, tg, tc,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
@@ -232,7 +232,7 @@ def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
     T = a.shape[0]
     N = w_t.shape[1]
     bm, bn, bk, split = cfg["dn_bm"], cfg["dn_bn"], cfg["dn_bk"], cfg["dn_split"]
-    tg, tc = lists if lists is not None else tile_lists_triton(mask8.view(torch.bool), bm, wrap)
+    tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
     atomic = split > 1
     if atomic:
         out = torch.zeros((T, N), dtype=torch.float32, device=a.device)
@@ -264,7 +264,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
         return torch.mm(h, w_down_t)
     lists = None
     if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"]:  # one mask reorder for both kernels
-        lists = tile_lists_triton(mask8.view(torch.bool), cfg["up_bm"], wrap)
+        lists = tile_lists_triton(mask8, cfg["up_bm"], wrap)
     ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,
             lists=lists)
     return kskip(h, w_down_t, None, mask8, G, group_size, cfg, x.dtype, wrap, lists=lists)

@@ -119,10 +119,16 @@ def _launcher(kernel, wrap):
         return kernel
 
 
+def _as_uint8(mask: torch.Tensor) -> torch.Tensor:
+    # Masks arrive as bool or already as uint8. Convert with .to(), never .view(): Inductor 2.11 cannot
+    # lower aten.view.dtype to or from bool (seen on the H200 when a triton_op body is traced).
+    return mask.contiguous() if mask.dtype == torch.uint8 else mask.contiguous().to(torch.uint8)
+
+
 def tile_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
-    m8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
+    m8 = _as_uint8(mask)
     tg = alloc((n_tiles, G), torch.int32, mask.device)
     tc = alloc((n_tiles,), torch.int32, mask.device)
     _launcher(_tile_lists_kernel, wrap)[(n_tiles,)](
@@ -134,7 +140,7 @@ def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False, wit
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
     P = G * n_tiles * block_m
-    m8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
+    m8 = _as_uint8(mask)
     cnt = alloc((G,), torch.int32, mask.device)
     sorted_ids = alloc((P,), torch.int32, mask.device)
     bgroups = alloc((G * n_tiles,), torch.int32, mask.device)
