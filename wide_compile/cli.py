@@ -47,6 +47,12 @@ def _routers_for(model, name: str | None, capacity: float | None):
     return wc.Routers.init(model, cfg), "UNTRAINED random routers (no trained routers ship yet)"
 
 
+def _shipped_lora(routers):
+    from wide_compile import pretrained
+
+    return pretrained.lora_path(routers.name) if routers.name else None
+
+
 def _colour(frac: float) -> str:
     # fraction of the layer stack a token used -> green (little) .. red (a lot)
     stops = ["green", "chartreuse3", "yellow", "dark_orange", "red"]
@@ -86,6 +92,12 @@ def cmd_demo(args) -> int:
 
     model.generate(ids, **{**gen_kw, "max_new_tokens": 2})  # warm-up
     dense_out, dense_s = timed(lambda: model.generate(ids, **gen_kw))
+    lora = _shipped_lora(routers) if not args.no_lora else None
+    if lora is not None:  # the stage-2 model: its LoRA merged into the weights, then routed
+        from wide_compile.training.stage2 import load_lora_merged
+
+        model = load_lora_merged(model, lora)
+        con.print(f"stage-2 LoRA merged: {lora.name}")
     wc.attach(model, routers)
     if dev.startswith("cuda") and not args.no_compile:
         runner = wc.optimize(model)
@@ -110,8 +122,7 @@ def cmd_demo(args) -> int:
     cap = wc.measure_capacity(model, out)
     con.print(f"\nmeasured capacity on prompt+generation: overall {cap['overall']:.3f} "
               f"(attention {cap['attn']:.3f}, FFN {cap['ffn']:.3f}; routers {cap['router_flops_fraction']:.4f})")
-    same = torch.equal(dense_out[0, n_prompt:n_prompt + 8], new[:8])
-    con.print(f"dense model's first 8 tokens {'match' if same else 'differ from'} WIDE's")
+    con.print(f"[bold]dense model[/] for comparison: {tok.decode(dense_out[0, n_prompt:])!r}")
     path = "compiled WIDE (backend='wide', Triton kernels)" if runner is not model else "WIDE eager reference"
     con.print(f"time for {len(new)} new tokens on {dev}: dense eager {dense_s:.2f} s, {path} {wide_s:.2f} s")
     if runner is not model:
@@ -186,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (else found/fetched)")
     d.add_argument("--heatmap", default=None, help="write a per-layer skip heatmap PNG here")
     d.add_argument("--no-compile", action="store_true", help="on a GPU, run the eager reference instead")
+    d.add_argument("--no-lora", action="store_true", help="do not merge the shipped stage-2 LoRA (routers only)")
     i = sub.add_parser("inspect", help="what the WIDE pass detects in a model, layer by layer (no compiling)")
     i.add_argument("--model", default="smollm2", help="smollm2 or tiny-<llama|mistral|qwen2|smollm2>")
     i.add_argument("--routers", default=None)
