@@ -38,6 +38,11 @@ from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
 
 CORR_PS = (0.1, 0.01)
 MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS)
+
+
+def mask_label(kind: str) -> str:
+    """The results file's `masks` field: "random" or "correlated" (the exact model is in `mask_model`)."""
+    return "random" if kind == "random" else "correlated"
 MODELS = {
     "llama3.1-8b": dict(D=4096, F=14336, nq=32, nkv=8, hd=128, gs=64, hg=1),
     "smollm2-135m": dict(D=576, F=1536, nq=9, nkv=3, hd=64, gs=64, hg=1),
@@ -190,11 +195,11 @@ def bench(quick, log, variants):
                     }
                     t_re = graph_time(lambda: torch.ops.wide.mask_reorder(m, 64 if T > 16 else 1))
                     for op in ("mlp", "attn_q", "attn_o"):
-                        recs.append(dict(op=op, model=name, T=T, density=d, masks=kind,
+                        recs.append(dict(op=op, model=name, T=T, density=d, masks=mask_label(kind), mask_model=kind,
                                          actual_density=(m if op == "mlp" else ma).float().mean().item(),
                                          dense_ms=t_dense[op], static_ms=t_static[op], wide_ms=t_wide[op],
                                          speedup=t_dense[op] / t_wide[op], vs_static=t_static[op] / t_wide[op]))
-                    recs.append(dict(op="reorder", model=name, T=T, density=d, masks=kind, dense_ms=None,
+                    recs.append(dict(op="reorder", model=name, T=T, density=d, masks=mask_label(kind), mask_model=kind, dense_ms=None,
                                      static_ms=None, wide_ms=t_re, speedup=None,
                                      note="mask_reorder(mask [T,G_ffn], block_m), all 5 outputs"))
                     log(f"{name:13s} T={T:5d} d={d} {kind:10s} mlp dense {t_dense['mlp']:.4f} static {t_static['mlp']:.4f} "
