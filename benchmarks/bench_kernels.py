@@ -287,7 +287,7 @@ def main():
     print("\nop      model          T     d     masks       dense_ms  static_ms  wide_ms  speedup vs_static")
     for r in recs:
         if r["op"] in ("mlp", "attn_q", "attn_o") and r["density"] == 0.5:
-            print(f"{r['op']:7s} {r['model']:13s} {r['T']:5d} {r['density']:.2f} {r['masks']:10s} {r['dense_ms']:9.4f} "
+            print(f"{r['op']:7s} {r['model']:13s} {r['T']:5d} {r['density']:.2f} {r.get('mask_model', r['masks']):10s} {r['dense_ms']:9.4f} "
                   f"{r['static_ms']:9.4f} {r['wide_ms']:9.4f} {r['speedup']:6.2f}x {r['vs_static']:6.2f}x")
     log("done")
 
