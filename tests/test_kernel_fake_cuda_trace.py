@@ -1,0 +1,88 @@
+"""The CUDA bodies of the wide ops, traced on the CPU with fake CUDA tensors (as Inductor traces a
+triton_op on the GPU). Guards against constructs Inductor cannot lower on the GPU machine's torch 2.11,
+which CPU runs never execute because the CPU dispatches to the references: seen on the H200,
+`aten.view.dtype` to or from bool ("torch.bool is not supported by torch.iinfo").
+
+The kernels must be compiled-mode Triton functions (not the interpreter's), so the checks run in a
+subprocess without TRITON_INTERPRET (the test session sets it for the other kernel tests)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton
+from wide_compile.kernels.compact_mlp import mlp_triton
+from wide_compile.kernels.reorder import mask_reorder_triton
+
+
+def _run_isolated(test_name: str, *params):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import {__name__.rsplit('.', 1)[-1]} as t; t.{test_name}(*{params!r})"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _trace(fn, *shapes_dtypes):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        args = [torch.empty(s, device="cuda", dtype=d) for s, d in shapes_dtypes]
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _bool_dtype_views(gm):
+    bad = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.view.dtype:
+            src = n.args[0].meta["val"].dtype
+            if torch.bool in (src, n.args[1]):
+                bad.append(f"{n.name}: view {src} as {n.args[1]}")
+    return bad
+
+
+def _kernel_launches(gm):
+    return sum(1 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target))
+
+
+BF16, BOOL = torch.bfloat16, torch.bool
+
+
+@pytest.mark.parametrize("T", [3, 130])  # decode path (T <= 16) and prefill path
+def test_mlp_body(T):
+    _run_isolated("check_mlp_body", T)
+
+
+def check_mlp_body(T):
+    gm = _trace(lambda x, wg, wu, wd, m: mlp_triton(x, wg, wu, wd, m, 32, wrap=True),
+                ((T, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((T, 4), BOOL))
+    assert _bool_dtype_views(gm) == []
+    assert _kernel_launches(gm) >= 2
+
+
+@pytest.mark.parametrize("T", [3, 130])
+def test_attention_projection_bodies(T):
+    _run_isolated("check_attention_projection_bodies", T)
+
+
+def check_attention_projection_bodies(T):
+    gq = _trace(lambda x, w, b, m: q_proj_triton(x, w, b, m, 32, wrap=True),
+                ((T, 64), BF16), ((128, 64), BF16), ((128,), BF16), ((T, 4), BOOL))
+    go = _trace(lambda a, w, m: o_proj_triton(a, w, None, m, 32, wrap=True),
+                ((T, 128), BF16), ((128, 64), BF16), ((T, 4), BOOL))
+    assert _bool_dtype_views(gq) == [] and _bool_dtype_views(go) == []
+    assert _kernel_launches(gq) >= 1
+    if T <= 16:  # prefill o_proj is masked input + cuBLAS (KERNELS_NOTES.md): no Triton launch there
+        assert _kernel_launches(go) >= 1
+
+
+def test_mask_reorder_body():
+    _run_isolated("check_mask_reorder_body")
+
+
+def check_mask_reorder_body():
+    gm = _trace(lambda m: mask_reorder_triton(m, 16, wrap=True), ((37, 5), BOOL))
+    assert _bool_dtype_views(gm) == []
+    assert _kernel_launches(gm) >= 3
