@@ -46,3 +46,11 @@ def test_unknown_shipped_routers_is_a_clear_error(capsys):
 def test_entry_point_is_installed():
     out = subprocess.run([sys.executable, "-m", "wide_compile.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "inspect" in out.stdout
+
+
+def test_inspect_reports_every_layer_rewritten(capsys):
+    assert cli.main(["inspect", "--model", "tiny-qwen2"]) == 0
+    out = capsys.readouterr().out
+    assert "UNTRAINED random routers" in out  # the shipped SmolLM2 routers do not fit a tiny model
+    assert out.count("attention rewritten") == 2 and out.count("mlp rewritten") == 2
+    assert "rewrite_mlp.rewritten=2" in out

@@ -41,10 +41,13 @@ def _routers_for(model, name: str | None, capacity: float | None):
             return int(digits) / 100 if digits else 1.0
 
         target = 0.5 if capacity is None else capacity
-        best = min(avail, key=lambda n: abs(nominal(n) - target))
-        return wc.Routers.pretrained(best, model), f"shipped routers '{best}'"
+        for cand in sorted(avail, key=lambda n: abs(nominal(n) - target)):
+            try:  # only routers made for this model's shape qualify
+                return wc.Routers.pretrained(cand, model), f"shipped routers '{cand}'"
+            except ValueError:
+                continue
     cfg = wc.WideConfig(capacity=capacity or 0.5, router_init="random")
-    return wc.Routers.init(model, cfg), "UNTRAINED random routers (no trained routers ship yet)"
+    return wc.Routers.init(model, cfg), "UNTRAINED random routers (no shipped routers fit this model)"
 
 
 def _shipped_lora(routers):
@@ -158,7 +161,11 @@ def cmd_inspect(args) -> int:
     wc.attach(model, routers)
     print(f"routers: {what}")
     report = wc.explain(model)
-    print(report if isinstance(report, str) else "\n".join(map(str, report)))
+    print(report)
+    for w in report.warnings:
+        print(f"falls back to dense: {w}")
+    c = report.counts
+    print("pass counters: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items())))
     return 0
 
 
