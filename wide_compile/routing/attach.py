@@ -65,45 +65,42 @@ def attach(model: nn.Module, routers: Routers) -> nn.Module:
         st = _LayerState()
         states.append(st)
 
-        def record(kind, i, value, att=att):
-            for rec in att.recorders:
-                rec[kind][i].append(value)
-
-        def q_hook(mod, args, kwargs, i=i, st=st):
-            h = args[0] if args else kwargs["input"]
-            st.attn = routers.decide(routers.attn[i], h)
-            if att.recorders:
-                record("attn", i, st.attn if not _want_logits(att) else routers.attn[i](h))
-            return None
-
-        def o_hook(mod, args, kwargs, st=st):
-            if args:
-                return (_expand(args[0], st.attn), *args[1:]), kwargs
-            return args, {**kwargs, "input": _expand(kwargs["input"], st.attn)}
-
-        def gate_hook(mod, args, kwargs, i=i, st=st):
-            h = args[0] if args else kwargs["input"]
-            st.ffn = routers.decide(routers.ffn[i], h)
-            if att.recorders:
-                record("ffn", i, st.ffn if not _want_logits(att) else routers.ffn[i](h))
-            return None
-
-        def down_hook(mod, args, kwargs, st=st):
-            if args:
-                return (_expand(args[0], st.ffn), *args[1:]), kwargs
-            return args, {**kwargs, "input": _expand(kwargs["input"], st.ffn)}
-
+        route_a, mask_a = _route_hook(att, "attn", i, st), _mask_hook("attn", st)
+        route_f, mask_f = _route_hook(att, "ffn", i, st), _mask_hook("ffn", st)
         a, m = layer.self_attn, layer.mlp
-        handles += [a.q_proj.register_forward_pre_hook(q_hook, with_kwargs=True),
-                    a.o_proj.register_forward_pre_hook(o_hook, with_kwargs=True),
-                    m.gate_proj.register_forward_pre_hook(gate_hook, with_kwargs=True),
-                    m.down_proj.register_forward_pre_hook(down_hook, with_kwargs=True)]
+        handles += [a.q_proj.register_forward_pre_hook(route_a, with_kwargs=True),
+                    a.o_proj.register_forward_pre_hook(mask_a, with_kwargs=True),
+                    m.gate_proj.register_forward_pre_hook(route_f, with_kwargs=True),
+                    m.down_proj.register_forward_pre_hook(mask_f, with_kwargs=True)]
     object.__setattr__(model, _ATTR, att)
     return model
 
 
-def _want_logits(att: _Attached) -> bool:
-    return any(r.get("_logits") for r in att.recorders)
+def _route_hook(att: _Attached, kind: str, i: int, st: _LayerState):
+    """Pre-hook for q_proj / gate_proj: decide layer i's `kind` mask from the projection's input h."""
+    router = getattr(att.routers, kind)[i]
+
+    def hook(mod, args, kwargs):
+        h = args[0] if args else kwargs["input"]
+        mask = att.routers.decide(router, h)
+        setattr(st, kind, mask)
+        for rec in att.recorders:
+            rec[kind][i].append(router(h) if rec.get("_logits") else mask)
+        return None
+
+    return hook
+
+
+def _mask_hook(kind: str, st: _LayerState):
+    """Pre-hook for o_proj / down_proj: zero the input columns of the groups that mask switched off."""
+
+    def hook(mod, args, kwargs):
+        mask = getattr(st, kind)
+        if args:
+            return (_expand(args[0], mask), *args[1:]), kwargs
+        return args, {**kwargs, "input": _expand(kwargs["input"], mask)}
+
+    return hook
 
 
 def detach(model: nn.Module) -> nn.Module:
