@@ -13,7 +13,11 @@
 Masks: "random": iid Bernoulli(density) per (token, group).  "corr_pX": all tokens share one
 base mask ~ Bernoulli(density); each (token, group) bit is resampled (fresh Bernoulli(density)) with
 probability p = X, i.e. it differs from the base with probability 2 p d (1-d)
-(synthetic; statistics fitted to a trained router were not available).
+"fitted": router-like masks whose statistics are fitted to the shipped SmolLM2 routers
+(benchmarks/e2e/masks.py: DEFAULT_STATS, measured on smollm2-135m-c50 over real text): per-group
+on-rates logit-normal with the measured spread, logits = sqrt(rho) * (rank-2 latent shared across
+groups) + sqrt(1 - rho) * noise, rho fitted so the masks reach the measured tile coherence; tokens are
+exchangeable (no token-order effects) and thresholds are analytic, so any T has the same statistics.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from wide_compile.kernels import reference as R  # noqa: E402
 from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
 
 CORR_PS = (0.1, 0.01)
-MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS)
+MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS) + ("fitted",)
 
 
 def mask_label(kind: str) -> str:
@@ -57,7 +61,59 @@ if DRY:
     TS = (1, 20)
 
 
+_FITTED_RHO: dict = {}
+
+
+def _fitted_logits(T, G, rho, gen):
+    from benchmarks.e2e.masks import LATENT_RANK
+
+    a = torch.randn(LATENT_RANK, G, device=DEV, generator=gen)
+    a = a / a.norm(dim=0, keepdim=True)  # each group's latent part has unit variance
+    lat = torch.randn(T, LATENT_RANK, device=DEV, generator=gen) @ a
+    return math.sqrt(rho) * lat + math.sqrt(1 - rho) * torch.randn(T, G, device=DEV, generator=gen)
+
+
+def fitted_mask(T, G, density, gen, rho=None):
+    """Router-like masks fitted to the trained SmolLM2 routers' statistics (see the module docstring)."""
+    from benchmarks.e2e.masks import DEFAULT_STATS, _group_rates
+
+    if rho is None:
+        rho = fit_fitted_rho(G, density)
+    rates = _group_rates(density, G, DEFAULT_STATS["rate_logit_std"], torch.Generator().manual_seed(G))
+    thr = torch.distributions.Normal(0.0, 1.0).icdf((1 - rates).clamp(1e-6, 1 - 1e-6)).to(DEV)  # logits ~ N(0,1)
+    return _fitted_logits(T, G, rho, gen) > thr
+
+
+def fit_fitted_rho(G, density):
+    """rho whose masks (1024 tokens) come closest to the trained routers' tile coherence."""
+    from benchmarks.e2e.masks import DEFAULT_STATS, RHO_GRID, tile_coherence
+
+    key = (G, round(density, 3))
+    if key not in _FITTED_RHO:
+        g = torch.Generator(device=DEV).manual_seed(1234)
+        err = {}
+        for rho in RHO_GRID:
+            c = tile_coherence(fitted_mask(1024, G, density, g, rho=rho).cpu())
+            err[rho] = abs((c if c is not None else 0.0) - DEFAULT_STATS["tile_coherence"])
+        _FITTED_RHO[key] = min(err, key=err.get)
+    return _FITTED_RHO[key]
+
+
+def mask_model_name(kind, G, density):
+    """`mask_model` of a record: the kind, with the fitted rho and the tile coherence it reaches."""
+    if kind != "fitted":
+        return kind
+    from benchmarks.e2e.masks import DEFAULT_STATS, tile_coherence
+
+    rho = fit_fitted_rho(G, density)
+    c = tile_coherence(fitted_mask(1024, G, density, torch.Generator(device=DEV).manual_seed(7), rho=rho).cpu())
+    return (f"fitted(rho={rho}, tile_coherence={c:.2f} vs {DEFAULT_STATS['tile_coherence']} measured on "
+            "smollm2-135m-c50)")
+
+
 def make_mask(T, G, density, kind, gen):
+    if kind == "fitted":
+        return fitted_mask(T, G, density, gen)
     if kind == "random":
         return torch.rand(T, G, device=DEV, generator=gen) < density
     base = torch.rand(1, G, device=DEV, generator=gen) < density
@@ -195,11 +251,13 @@ def bench(quick, log, variants):
                     }
                     t_re = graph_time(lambda: torch.ops.wide.mask_reorder(m, 64 if T > 16 else 1))
                     for op in ("mlp", "attn_q", "attn_o"):
-                        recs.append(dict(op=op, model=name, T=T, density=d, masks=mask_label(kind), mask_model=kind,
+                        recs.append(dict(op=op, model=name, T=T, density=d, masks=mask_label(kind),
+                                         mask_model=mask_model_name(kind, G if op == "mlp" else Ga, d),
                                          actual_density=(m if op == "mlp" else ma).float().mean().item(),
                                          dense_ms=t_dense[op], static_ms=t_static[op], wide_ms=t_wide[op],
                                          speedup=t_dense[op] / t_wide[op], vs_static=t_static[op] / t_wide[op]))
-                    recs.append(dict(op="reorder", model=name, T=T, density=d, masks=mask_label(kind), mask_model=kind, dense_ms=None,
+                    recs.append(dict(op="reorder", model=name, T=T, density=d, masks=mask_label(kind),
+                                    mask_model=mask_model_name(kind, G, d), dense_ms=None,
                                      static_ms=None, wide_ms=t_re, speedup=None,
                                      note="mask_reorder(mask [T,G_ffn], block_m), all 5 outputs"))
                     log(f"{name:13s} T={T:5d} d={d} {kind:10s} mlp dense {t_dense['mlp']:.4f} static {t_static['mlp']:.4f} "
