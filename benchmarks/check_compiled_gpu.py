@@ -97,10 +97,13 @@ def check_smollm2(device, dtype, new_tokens=32):
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
     tok.padding_side = "left"
     batch = tok(prompts, return_tensors="pt", padding=True).to(device)
-    routers = wc.Routers.init(model, cfg, seed=0)
-    calib = tok(["Machine learning is a field of study in artificial intelligence concerned with the development "
-                 "of statistical algorithms that can learn from data."], return_tensors="pt").to(device)
-    routers.calibrate_(ref, calib.input_ids, capacity=0.5)
+    if "smollm2-135m-c50" in wc.Routers.available():  # the shipped, trained routers
+        routers = wc.Routers.pretrained("smollm2-135m-c50", model)
+    else:
+        routers = wc.Routers.init(model, cfg, seed=0)
+        calib = tok(["Machine learning is a field of study in artificial intelligence concerned with the "
+                     "development of statistical algorithms that can learn from data."], return_tensors="pt").to(device)
+        routers.calibrate_(ref, calib.input_ids, capacity=0.5)
     wc.attach(ref, routers)
     t0 = time.time()
     cm = wc.optimize(model, routers)
@@ -110,7 +113,7 @@ def check_smollm2(device, dtype, new_tokens=32):
         rel, agree = compare_logits(cm(**batch).logits, ref(**batch).logits)
         out = cm.generate(**batch, **kw)
         exp = ref.generate(**batch, **kw)
-    res = {"arch": "SmolLM2-135M", "logits_rel_err": rel, "argmax_agree": agree,
+    res = {"arch": "SmolLM2-135M", "routers": routers.name or "random, calibrated to 0.5", "logits_rel_err": rel, "argmax_agree": agree,
            "generate_identical": bool(torch.equal(out, exp)), "compile_s": round(time.time() - t0, 1),
            "capacity": round(wc.measure_capacity(ref, batch.input_ids, batch.attention_mask)["overall"], 3),
            "text_compiled": tok.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True),
