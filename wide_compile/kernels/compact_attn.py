@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .compact_mlp import default_config, ngather, kskip
+from .reorder import _as_uint8
 
 
 def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
@@ -24,7 +25,7 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
     if config:
         cfg.update(config)
     x = x.contiguous()
-    mask8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
+    mask8 = _as_uint8(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
     ngather(x, w_q, None, b_q, out, mask8, G, group_cols, cfg, gated=False,
             zero_inactive=False, wrap=wrap)
@@ -44,5 +45,5 @@ def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, 
     if cfg.get("down") == "dense":  # prefill: mask the input columns, one cuBLAS GEMM (see notes)
         am = torch.where(mask.repeat_interleave(group_rows, dim=1), a, torch.zeros((), dtype=a.dtype, device=a.device))
         return torch.mm(am, w_o_t) if b_o is None else torch.addmm(b_o, am, w_o_t)
-    mask8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
+    mask8 = _as_uint8(mask)
     return kskip(a, w_o_t, b_o, mask8, G, group_rows, cfg, a.dtype, wrap)

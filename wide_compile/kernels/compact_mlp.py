@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reorder import _launcher, alloc, tile_lists_triton, group_lists_triton
+from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists_triton
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -256,7 +256,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     if config:
         cfg.update(config)
     x = x.contiguous()
-    mask8 = mask.contiguous().to(torch.uint8)  # .view(uint8) of bool fails in Inductor 2.11 lowering
+    mask8 = _as_uint8(mask)
     h = alloc((T, F), x.dtype, x.device)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)
