@@ -166,3 +166,25 @@ def test_failed_download_says_how_to_provide_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", offline)
     with pytest.raises(ModelNotFoundError, match=r"(?s)offline\?.*network unreachable.*WIDE_SMOLLM2_GGUF"):
         find_gguf()
+
+
+def test_routed_uses_the_given_routers_and_restores_the_attached_ones():
+    from wide_compile.routing import attached_routers, routed
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (4, 64))
+    other = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random"), seed=5)
+    mine = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random"), seed=6)
+    wc.attach(model, other)
+    mine.calibrate_(model, ids, capacity=0.6)  # must calibrate `mine`, not the attached `other`
+    assert attached_routers(model) is other
+    with routed(model, mine):
+        assert wc.measure_capacity(model, ids)["overall"] == pytest.approx(0.6, abs=0.03)
+    assert attached_routers(model) is other
+    with routed(model, None):
+        assert not wc.is_attached(model)
+    assert attached_routers(model) is other
+    wc.detach(model)
+    with routed(model, mine):
+        assert attached_routers(model) is mine
+    assert not wc.is_attached(model)

@@ -39,8 +39,8 @@ import math
 
 import torch
 
-from wide_compile import Routers, WideConfig, attach, detach
-from wide_compile.routing import GroupRouter, record_logits, record_masks
+from wide_compile import Routers, WideConfig
+from wide_compile.routing import record_logits, record_masks, routed
 from wide_compile.routing.capacity import FlopCost
 
 # Used when the trained routers cannot be measured in this run (e.g. the real SmolLM2 is not on the GPU
@@ -96,12 +96,8 @@ def _group_rates(rate: float, groups: int, s: float, gen: torch.Generator) -> to
 def calibrate_per_group_(routers: Routers, model, calib_ids, rates_attn, rates_ffn, iters: int = 2) -> Routers:
     """Set biases so group g of layer i is on for a fraction rates_*[i][g] of the calibration tokens."""
     for _ in range(iters):
-        attach(model, routers)
-        try:
-            with record_logits(model) as rec:
-                model(input_ids=calib_ids)
-        finally:
-            detach(model)
+        with routed(model, routers), record_logits(model) as rec:
+            model(input_ids=calib_ids)
         for kind, mods, rates in (("attn", routers.attn, rates_attn), ("ffn", routers.ffn, rates_ffn)):
             for i, r in enumerate(mods):
                 lg = rec[kind][i].reshape(-1, r.groups).float()
@@ -180,12 +176,8 @@ def mask_stats(model, routers: Routers, ids: torch.Tensor, n_pairs: int = 4096, 
     """Statistics of the masks `routers` produce on `ids` [B, S] through `model`:
     rate_logit_std (std over groups of logit(on-rate), mean over layers and kinds), kappa (random pairs of
     tokens), kappa_adjacent (neighbouring tokens), mean on-rates."""
-    attach(model, routers)
-    try:
-        with record_masks(model) as rec:
-            model(input_ids=ids)
-    finally:
-        detach(model)
+    with routed(model, routers), record_masks(model) as rec:
+        model(input_ids=ids)
     gen = torch.Generator().manual_seed(seed)
     out = {"rate_logit_std": [], "tile_coherence": [], "kappa": [], "kappa_adjacent": [], "rate": []}
     for kind in ("attn", "ffn"):

@@ -21,7 +21,7 @@ import torch
 
 from ..config import WideConfig
 from ..models.spec import decoder_layers, model_spec
-from ..routing import FlopCost, Routers, attach, detach
+from ..routing import FlopCost, Routers, routed
 
 
 def skipgpt_config(model, capacity: float) -> WideConfig:
@@ -101,18 +101,15 @@ def select_groups(scores: dict, cfg: WideConfig, spec, capacity: float, allocati
 
 @torch.no_grad()
 def _kl_to_dense(model, routers, blocks, batch_size: int = 8) -> float:
-    from ..training.stage1 import kd_loss
+    from ..training.stage1 import kd_loss, teacher_logits
 
     dev = next(model.parameters()).device
     tot = 0.0
     for b in range(0, len(blocks), batch_size):
         x = blocks[b:b + batch_size].to(dev)
-        t = model(input_ids=x).logits
-        attach(model, routers)
-        try:
+        t = teacher_logits(model, x)
+        with routed(model, routers):
             s = model(input_ids=x).logits
-        finally:
-            detach(model)
         tot += float(kd_loss(s, t)) * len(x)
     return tot / len(blocks)
 

@@ -57,25 +57,19 @@ KIND_NAMES = ("function", "content", "other")
 @torch.no_grad()
 def router_stats(model, tokenizer, routers, blocks: torch.Tensor, batch_size: int = 8) -> dict:
     """Skip rates of `routers` on `blocks` [N, S] (hard decisions): per layer, by token kind, attn vs FFN."""
-    from ..routing import FlopCost, attach, detach, is_attached, record_masks
+    from ..routing import FlopCost, record_masks, routed
 
-    was = is_attached(model)
-    if not was:
-        attach(model, routers)
     dev = next(model.parameters()).device
     L = routers.spec.num_layers
     fa = [[] for _ in range(L)]
     ff = [[] for _ in range(L)]
-    try:
+    with routed(model, routers):  # these routers, whatever was attached before
         for b in range(0, len(blocks), batch_size):
             with record_masks(model) as rec:
                 model(input_ids=blocks[b:b + batch_size].to(dev))
             for i in range(L):
                 fa[i].append(rec["attn"][i][0].float().mean(-1).reshape(-1).cpu())
                 ff[i].append(rec["ffn"][i][0].float().mean(-1).reshape(-1).cpu())
-    finally:
-        if not was:
-            detach(model)
     A = torch.stack([torch.cat(x) for x in fa])  # [L, N] active fraction
     Fm = torch.stack([torch.cat(x) for x in ff])
     kinds = token_kinds(tokenizer, blocks.reshape(-1)) if tokenizer is not None else torch.full((A.shape[1],), 2)

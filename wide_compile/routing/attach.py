@@ -125,6 +125,24 @@ def attached_routers(model: nn.Module) -> Routers | None:
     return None if att is None else att.routers
 
 
+@contextmanager
+def routed(model: nn.Module, routers: Routers | None) -> Iterator[nn.Module]:
+    """Run `model` with `routers` attached (None: dense) inside the block, then put back whatever was
+    attached before (other routers, or none)."""
+    prev = attached_routers(model)
+    if routers is None:
+        detach(model)
+    elif routers is not prev:
+        attach(model, routers)
+    try:
+        yield model
+    finally:
+        if prev is None:
+            detach(model)
+        elif attached_routers(model) is not prev:
+            attach(model, prev)
+
+
 def _require(model) -> _Attached:
     att = getattr(model, _ATTR, None)
     if att is None:

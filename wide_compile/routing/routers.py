@@ -217,20 +217,13 @@ class Routers(nn.Module):
         """Set router biases so every group's on-rate on these tokens is the uniform rate that gives
         `capacity` (default cfg.capacity). Used for random-weight benchmark models; trained routers
         should not need it."""
-        from .attach import attach, detach, is_attached, record_logits
+        from .attach import record_logits, routed
         from .capacity import FlopCost
 
         cap = self.cfg.capacity if capacity is None else capacity
         rate = FlopCost.from_routers(self).uniform_rate(cap)
-        was = is_attached(model)
-        if not was:
-            attach(model, self)
-        try:
-            with record_logits(model) as rec:
-                model(input_ids=input_ids, attention_mask=attention_mask)
-        finally:
-            if not was:
-                detach(model)
+        with routed(model, self), record_logits(model) as rec:  # these routers, whatever was attached
+            model(input_ids=input_ids, attention_mask=attention_mask)
         valid = None if attention_mask is None else attention_mask.bool().reshape(-1)
         for kind, routers in (("attn", self.attn), ("ffn", self.ffn)):
             for i, r in enumerate(routers):

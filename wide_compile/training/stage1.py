@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import WideConfig
-from ..routing import FlopCost, Routers, attach, detach, is_attached, record_masks
+from ..routing import FlopCost, Routers, attach, detach, record_masks, routed
 from ..routing.routers import GroupRouter
 
 
@@ -90,16 +90,8 @@ def relaxed_capacity(routers: Routers, rec: dict, cost: FlopCost | None = None) 
 @torch.no_grad()
 def teacher_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Dense logits of `model` (routers temporarily detached if attached)."""
-    from ..routing import attached_routers
-
-    r = attached_routers(model)
-    if r is not None:
-        detach(model)
-    try:
+    with routed(model, None):
         return model(input_ids=ids).logits
-    finally:
-        if r is not None:
-            attach(model, r)
 
 
 def _autocast(device, enabled: bool):
@@ -158,21 +150,15 @@ def deterministic_capacity(model, routers: Routers, blocks: torch.Tensor, batch_
     """Hard-threshold capacity of `routers` on `blocks` [N, S] (all real tokens)."""
     from ..routing.measure import capacity_from_record
 
-    was = is_attached(model)
-    if not was:
-        attach(model, routers)
     dev = next(model.parameters()).device
     recs = {"attn": [[] for _ in range(routers.spec.num_layers)], "ffn": [[] for _ in range(routers.spec.num_layers)]}
-    try:
+    with routed(model, routers):  # these routers, whatever was attached before
         for i in range(0, len(blocks), batch_size):
             with record_masks(model) as rec, _autocast(dev, amp):
                 model(input_ids=blocks[i:i + batch_size].to(dev))
             for k in ("attn", "ffn"):
                 for L in range(routers.spec.num_layers):
                     recs[k][L] += [m.float().mean(-1).reshape(-1, 1) for m in rec[k][L]]
-    finally:
-        if not was:
-            detach(model)
     return capacity_from_record(routers, recs)
 
 
