@@ -52,6 +52,12 @@ class FlopCost:
                              "(K/V projections and routers always run)")
         return min(r, 1.0)
 
+    def executed(self, i: int, attn_frac, ffn_frac):
+        """Executed FLOPs of layer i's attention and FFN for active fractions attn_frac / ffn_frac
+        (floats or tensors, any shape)."""
+        return (attn_frac * self.qo + self.kv + self.router_attn[i],
+                ffn_frac * self.ffn + self.router_ffn[i])
+
     def capacity(self, attn_frac: list[torch.Tensor], ffn_frac: list[torch.Tensor],
                  weight: torch.Tensor | None = None) -> dict:
         """attn_frac[i] / ffn_frac[i]: per-token active fractions [N] for layer i (differentiable if the
@@ -62,8 +68,7 @@ class FlopCost:
             w = torch.ones_like(a) if weight is None else weight.to(a.dtype)
             n = w.sum().clamp_min(1)
             a_m, f_m = (a * w).sum() / n, (f * w).sum() / n
-            ea = a_m * self.qo + self.kv + self.router_attn[i]
-            ef = f_m * self.ffn + self.router_ffn[i]
+            ea, ef = self.executed(i, a_m, f_m)
             attn_l.append(ea / (self.qo + self.kv))
             ffn_l.append(ef / self.ffn)
             per_layer.append((ea + ef) / self.dense_layer)

@@ -52,6 +52,6 @@ def per_token_capacity(routers, rec: dict) -> torch.Tensor:
     cost = FlopCost.from_routers(routers)
     executed = 0
     for i in range(cost.spec.num_layers):
-        a, f = _fractions(rec["attn"][i]), _fractions(rec["ffn"][i])
-        executed = executed + a * cost.qo + cost.kv + cost.router_attn[i] + f * cost.ffn + cost.router_ffn[i]
+        ea, ef = cost.executed(i, _fractions(rec["attn"][i]), _fractions(rec["ffn"][i]))
+        executed = executed + ea + ef
     return executed / (cost.spec.num_layers * cost.dense_layer)
