@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .compact_mlp import default_config, ngather, kskip
+from .compact_mlp import kernel_config, ngather, kskip
 from .reorder import _as_uint8
 
 
@@ -21,9 +21,7 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
     T, D = x.shape
     Nq = w_q.shape[0]
     G = Nq // group_cols
-    cfg = dict(default_config(T, D, Nq, group_cols, Nq))
-    if config:
-        cfg.update(config)
+    cfg = kernel_config(T, D, Nq, group_cols, Nq, config)
     x = x.contiguous()
     mask8 = _as_uint8(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
@@ -38,9 +36,7 @@ def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, 
     T, Nq = a.shape
     D = w_o_t.shape[1]
     G = Nq // group_rows
-    cfg = dict(default_config(T, D, Nq, group_rows, D))
-    if config:
-        cfg.update(config)
+    cfg = kernel_config(T, D, Nq, group_rows, D, config)
     a = a.contiguous()
     if cfg.get("down") == "dense":  # prefill: mask the input columns, one cuBLAS GEMM (see notes)
         am = torch.where(mask.repeat_interleave(group_rows, dim=1), a, torch.zeros((), dtype=a.dtype, device=a.device))

@@ -181,6 +181,13 @@ def _interpret():
 DECODE_T = 16
 
 
+def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides: Optional[dict] = None) -> dict:
+    """default_config with the caller's `overrides` (tests, tuning sweeps) applied on top."""
+    cfg = default_config(T, D, F, group_size, N_out)
+    cfg.update(overrides or {})
+    return cfg
+
+
 def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: bool = False):
     """Kernel tile config.  Tuned on the H200 (see benchmarks/KERNELS_NOTES.md)."""
     gs2 = triton.next_power_of_2(group_size)
@@ -252,16 +259,14 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     T, D = x.shape
     F = w_gate.shape[0]
     G = F // group_size
-    cfg = dict(default_config(T, D, F, group_size, D))
-    if config:
-        cfg.update(config)
+    cfg = kernel_config(T, D, F, group_size, D, config)
     x = x.contiguous()
     mask8 = _as_uint8(mask)
-    h = alloc((T, F), x.dtype, x.device)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)
         ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap)
         return torch.mm(h, w_down_t)
+    h = alloc((T, F), x.dtype, x.device)
     lists = None
     if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"]:  # one mask reorder for both kernels
         lists = tile_lists_triton(mask8, cfg["up_bm"], wrap)

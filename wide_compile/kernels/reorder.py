@@ -58,7 +58,6 @@ def _group_lists_kernel(mask_ptr, cnt_ptr, sorted_ptr, bgroup_ptr, ntpp_ptr, gbl
     gs = tl.arange(0, GP2)
     c = tl.load(cnt_ptr + gs, mask=gs < G, other=0)
     padded = (c + BM - 1) // BM * BM
-    incl = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     off = tl.sum(tl.where(gs < g, padded, 0), axis=0)
     my_c = tl.sum(tl.where(gs == g, c, 0), axis=0)
