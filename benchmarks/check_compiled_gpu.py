@@ -45,11 +45,14 @@ def _routers(model, ref, kind, cfg, device, seed=0):
     return r
 
 
-def compare_logits(a, b):
+def compare_logits(a, b, tol=3e-2):
+    """-> (max relative error, argmax agreement, share of positions whose own relative error is < tol)."""
     a, b = a.float(), b.float()
     rel = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    return rel, agree
+    row_rel = (a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-6)
+    rows_ok = (row_rel < tol).float().mean().item()
+    return rel, agree, rows_ok
 
 
 def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
@@ -65,8 +68,9 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     res = {"arch": arch, "routers": kind, "mode": mode or "default"}
     with torch.no_grad():
         ids = torch.randint(1, 128, (2, 24), device=device)
-        rel, agree = compare_logits(cm(input_ids=ids).logits, ref(input_ids=ids).logits)
-        res.update(logits_rel_err=rel, argmax_agree=agree, compile_s=round(time.time() - t0, 1))
+        rel, agree, rows_ok = compare_logits(cm(input_ids=ids).logits, ref(input_ids=ids).logits, tol)
+        res.update(logits_rel_err=rel, argmax_agree=agree, rows_within_tol=rows_ok,
+                   compile_s=round(time.time() - t0, 1))
         am = torch.ones_like(ids[:, :12])
         am[1, :4] = 0
         kw = dict(attention_mask=am, max_new_tokens=16, do_sample=False, cache_implementation="static",
@@ -81,8 +85,61 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     res["o_rewritten"] = counters()["rewrite_attention.o_rewritten"] - c0[1]
     res["explain"] = str(wc.explain(cm)).splitlines()[:4]
     res["capacity"] = round(wc.measure_capacity(ref, ids)["overall"], 3)
-    res["ok"] = bool(rel < tol and res["generate_identical"] and res["mlp_rewritten"] > 0 and res["o_rewritten"] > 0)
+    # Constant masks: every position must match. Random per-token routers in bf16: a router logit within
+    # bf16 rounding of 0 can take the other side in the compiled graph (Inductor fuses the RMSNorm feeding
+    # the router differently), which changes that token's mask and so its logits by far more than any
+    # kernel error; those positions are counted, not hidden (rows_within_tol), and must stay rare.
+    close = rel < tol if kind == "constant" else (rows_ok >= 0.9 and agree >= 0.95)
+    res["ok"] = bool(close and res["generate_identical"] and res["mlp_rewritten"] > 0 and res["o_rewritten"] > 0)
+    res["wall_s"] = round(time.time() - t0, 1)
     return res
+
+
+def check_replay(name, make, device, dtype, seqs=((1, 300), (4, 1)), cfg=None, tol=3e-2):
+    """Kernel/pass error alone: masks recorded from random routers (calibrated to ~0.5) on the eager
+    reference, replayed in both the compiled model and the reference (Routers.replay), so no router decision
+    can flip. seqs: (batch, length) inputs; (1, 300) takes the many-token kernels, (4, 1) the few-token ones."""
+    cfg = cfg or wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random")
+    res = {"arch": name, "routers": "replay", "mode": "default", "cases": []}
+    t0 = time.time()
+    for b, t in seqs:
+        torch._dynamo.reset()
+        model, ref = make().to(device=device, dtype=dtype), make().to(device=device, dtype=dtype)
+        live = wc.Routers.init(model, cfg, seed=0)
+        live.calibrate_(ref, torch.randint(1, 128, (2, 64), device=device), capacity=0.5)
+        wc.attach(ref, live)
+        ids = torch.randint(1, 128, (b, t), device=device)
+        with torch.no_grad(), wc.routing.record_masks(ref) as rec:
+            ref(input_ids=ids)
+        replay = wc.Routers.replay(ref, cfg, rec)
+        wc.attach(ref, replay)
+        cm = wc.optimize(model, replay)
+        with torch.no_grad():
+            rel, agree, rows_ok = compare_logits(cm(input_ids=ids).logits, ref(input_ids=ids).logits, tol)
+        on = torch.cat([m[0].flatten() for m in rec["ffn"]]).float().mean().item()
+        res["cases"].append({"batch": b, "len": t, "logits_rel_err": rel, "argmax_agree": agree,
+                             "rows_within_tol": rows_ok, "ffn_on": round(on, 3), "ok": rel < tol})
+        del model, ref, cm
+    res["ok"] = all(c["ok"] for c in res["cases"])
+    res["wall_s"] = round(time.time() - t0, 1)
+    return res
+
+
+def llama8b_layers(layers=2):
+    """Llama-3.1-8B layer shapes (hidden 4096, FFN 14336, 32 q / 8 kv heads, head_dim 128), `layers` deep,
+    a 32k vocabulary (the vocabulary does not touch the WIDE ops), random weights."""
+    import transformers as tf
+
+    def make():
+        torch.manual_seed(0)
+        c = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=4096)
+        m = tf.LlamaForCausalLM(c).eval()
+        with torch.no_grad():
+            for p_ in m.parameters():
+                p_.normal_(0.0, 0.02)
+        return m
+    return make
 
 
 def check_smollm2(device, dtype, new_tokens=32):
@@ -110,10 +167,11 @@ def check_smollm2(device, dtype, new_tokens=32):
     kw = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
               pad_token_id=tok.pad_token_id)
     with torch.no_grad():
-        rel, agree = compare_logits(cm(**batch).logits, ref(**batch).logits)
+        rel, agree, rows_ok = compare_logits(cm(**batch).logits, ref(**batch).logits)
         out = cm.generate(**batch, **kw)
         exp = ref.generate(**batch, **kw)
     res = {"arch": "SmolLM2-135M", "routers": routers.name or "random, calibrated to 0.5", "logits_rel_err": rel, "argmax_agree": agree,
+           "rows_within_tol": rows_ok,
            "generate_identical": bool(torch.equal(out, exp)), "compile_s": round(time.time() - t0, 1),
            "capacity": round(wc.measure_capacity(ref, batch.input_ids, batch.attention_mask)["overall"], 3),
            "text_compiled": tok.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True),
@@ -128,6 +186,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_compiled_gpu.json"))
     ap.add_argument("--quick", action="store_true", help="llama only, no CUDA-graph run, no SmolLM2")
+    ap.add_argument("--smollm2-first", action="store_true", help="run the SmolLM2 check before the tiny ones")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -138,6 +197,31 @@ def main(argv=None):
     cases = [(a, k, None) for a in (ARCHS[:1] if args.quick else ARCHS) for k in ("random", "constant")]
     if device.type == "cuda" and not args.quick:
         cases.append(("llama", "random", "reduce-overhead"))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def run_smollm2():
+        try:
+            r = check_smollm2(device, dtype)
+        except Exception as e:
+            r = {"arch": "SmolLM2-135M", "ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
+        report["checks"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
+        torch._dynamo.reset()
+
+    if args.smollm2_first and not args.quick:
+        run_smollm2()
+    replays = [(a, (lambda a=a: tiny_model(a, seed=0)), None) for a in (ARCHS[:1] if args.quick else ARCHS)]
+    if device.type == "cuda" and not args.quick:
+        replays.append(("llama-3.1-8b-shape-2L", llama8b_layers(2), wc.WideConfig(ffn_group_size=64, head_group_size=1,
+                                                                                    router_init="random")))
+    for name, make, cfg in replays:
+        try:
+            r = check_replay(name, make, device, dtype, cfg=cfg)
+        except Exception as e:
+            r = {"arch": name, "routers": "replay", "ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
+        report["checks"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
+        torch._dynamo.reset()
     for arch, kind, mode in cases:
         try:
             r = check_tiny(arch, kind, device, dtype, mode)
@@ -147,15 +231,11 @@ def main(argv=None):
         report["checks"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("trace", "explain")}), flush=True)
         torch._dynamo.reset()
-    if not args.quick:
-        try:
-            r = check_smollm2(device, dtype)
-        except Exception as e:
-            r = {"arch": "SmolLM2-135M", "ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
-        report["checks"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
+        with open(args.out, "w") as f:  # partial results survive a timeout
+            json.dump(report, f, indent=1)
+    if not args.quick and not args.smollm2_first:
+        run_smollm2()
     report["ok"] = all(c.get("ok") for c in report["checks"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("ALL OK" if report["ok"] else "FAILED", "->", args.out)

@@ -161,3 +161,47 @@ def test_dynamic_lengths_do_not_recompile_each_time(compiled_llama):
                 seen.append((b, s))
     new = counters()["compiled_graphs"] - c0
     assert new <= 3, f"{new} graphs compiled for {len(seen)} shapes"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_replayed_masks_compiled_equals_eager(arch):
+    """Masks recorded from live routers, replayed in the compiled model and in the eager reference: the
+    comparison the GPU checks use to separate kernel/pass error from router flips near 0."""
+    model, ref, routers = pair(arch, routers_seed=3)
+    ids = torch.randint(0, 128, (2, 11))
+    with torch.no_grad(), wc.routing.record_masks(ref) as rec:
+        live = ref(input_ids=ids).logits
+    replay = wc.Routers.replay(ref, CFG, rec)
+    assert replay.kind == "replay" and replay.flops_per_token() == ([0] * 2, [0] * 2)
+    wc.attach(ref, replay)
+    with torch.no_grad():
+        torch.testing.assert_close(ref(input_ids=ids).logits, live, atol=0, rtol=0)  # same masks, same math
+    on = torch.cat([rec["ffn"][i][0].flatten() for i in range(2)])
+    assert 0 < on.float().mean() < 1  # the recorded masks are mixed, so the check can fail
+    cm = wc.optimize(model, replay, inductor=False)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, live, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="recorded on"):
+        with torch.no_grad():
+            ref(input_ids=ids[:, :5])
+    with pytest.raises(ValueError, match="not saved"):
+        replay.save("/tmp/never.safetensors")
+
+
+def test_replayed_masks_dense_graph():
+    """Form B (routers inserted into a dense graph): replayed masks become graph constants."""
+    model, ref = gptfast_pair(seed=9)
+    spec = model.spec
+    ids = torch.randint(0, 128, (2, 6))
+    g = torch.Generator().manual_seed(4)
+    rec = {"attn": [[torch.rand(2, 6, CFG.num_head_groups(spec), generator=g) > 0.5] for _ in range(spec.num_layers)],
+           "ffn": [[torch.rand(2, 6, CFG.num_ffn_groups(spec), generator=g) > 0.5] for _ in range(spec.num_layers)]}
+    replay = wc.Routers.replay(spec, CFG, rec)
+    ref.ref_routers = replay
+    cm = wc.optimize(model, replay, inductor=False)
+    with torch.no_grad():
+        out, exp = cm(ids), ref(ids)
+        torch.testing.assert_close(out, exp, atol=1e-5, rtol=1e-5)
+        ref.ref_routers = wc.Routers.constant(spec, CFG, attn=[torch.ones(CFG.num_head_groups(spec), dtype=torch.bool)] * spec.num_layers,
+                                              ffn=[torch.ones(CFG.num_ffn_groups(spec), dtype=torch.bool)] * spec.num_layers)
+        assert (ref(ids) - exp).abs().max() > 1e-3  # the replayed masks matter

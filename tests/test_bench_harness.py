@@ -53,6 +53,7 @@ def test_smoke_records(tmp_path):
         assert r["static_ms"], r
         assert r["measured_capacity"] == pytest.approx(r["capacity"], abs=0.12)
         assert r["wide_check"]["logits_rel_err"] < 1e-4, r["wide_check"]  # fake backend == eager reference
+        assert "jitter_floor_rel_err" in r["wide_check"], r["wide_check"]  # the comparison's noise floor
     half = [r for r in recs if r["capacity"] == 0.5]
     assert all(r["static_capacity"] == pytest.approx(0.5, abs=0.03) for r in half)
     assert any(r.get("mask_model") for r in half if r["masks"] == "correlated")

@@ -28,12 +28,16 @@ def constant_router_mask(h, mask):
     return mask.expand(*h.shape[:-1], mask.shape[-1])
 
 
+def replay_router_mask(h, mask):
+    return mask.view(*h.shape[:-1], mask.shape[-1])
+
+
 class NoRoutersError(ValueError):
     pass
 
 
 def _router_node(ctx: PassContext, router, x, tag: str):
-    from ..routing.routers import ConstantRouter, GroupRouter
+    from ..routing.routers import ConstantRouter, GroupRouter, ReplayRouter
 
     dev = getattr(meta(x), "device", None)
 
@@ -44,6 +48,8 @@ def _router_node(ctx: PassContext, router, x, tag: str):
 
     if isinstance(router, ConstantRouter):
         return ctx.weights.call(constant_router_mask, (x, const(router.mask, "mask")))
+    if isinstance(router, ReplayRouter):  # recorded masks: a check tool (see ReplayRouter)
+        return ctx.weights.call(replay_router_mask, (x, const(router.mask, "mask")))
     if isinstance(router, GroupRouter):
         if router.hidden:
             args = (x, const(router.proj_in.weight, "w1"), const(router.proj_in.bias, "b1"),
@@ -51,7 +57,7 @@ def _router_node(ctx: PassContext, router, x, tag: str):
             return ctx.weights.call(mlp_router_mask, args)
         return ctx.weights.call(linear_router_mask, (x, const(router.proj.weight, "w"), const(router.proj.bias, "b")))
     raise ValueError(f"wide_compile: cannot insert a router of type {type(router).__name__} into the graph "
-                     "(supported: GroupRouter, ConstantRouter)")
+                     "(supported: GroupRouter, ConstantRouter, ReplayRouter)")
 
 
 class InsertRouters(Pass):

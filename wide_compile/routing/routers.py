@@ -63,6 +63,32 @@ class ConstantRouter(nn.Module):
         return logits.expand(*h.shape[:-1], self.groups)
 
 
+class ReplayRouter(nn.Module):
+    """Replays masks recorded on one input: logits = +-_BIG from mask[..., G], for exactly that token shape.
+
+    For checks that must not depend on router decisions that sit within rounding of 0: a compiled model
+    and its eager reference compute router logits with different rounding (bf16, fusion order), so a
+    live router can flip a group for some token, and in a deep random-weight model one flip changes
+    everything downstream. Replaying the same recorded masks in both isolates kernel / pass error."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        if mask.dim() < 2:
+            raise ValueError(f"ReplayRouter needs a mask [..., tokens, G], got shape {tuple(mask.shape)}")
+        self.groups = mask.shape[-1]
+        self.register_buffer("mask", mask.clone())
+
+    def flops_per_token(self) -> int:
+        return 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if tuple(h.shape[:-1]) != tuple(self.mask.shape[:-1]):
+            raise ValueError(f"ReplayRouter: recorded masks are for tokens {tuple(self.mask.shape[:-1])}, "
+                             f"got input {tuple(h.shape[:-1])}; replay only on the input they were recorded on")
+        return torch.where(self.mask.to(h.device), _BIG, -_BIG).to(dtype=torch.float32)
+
+
 class Routers(nn.Module):
     """All routers of one model: `attn[i]` and `ffn[i]` for decoder layer i."""
 
@@ -128,6 +154,27 @@ class Routers(nn.Module):
         return cls(spec, cfg, [ConstantRouter(m) for m in attn], [ConstantRouter(m) for m in ffn],
                    kind="constant")
 
+    @classmethod
+    def replay(cls, model, cfg: WideConfig, recorded: dict) -> "Routers":
+        """Routers that replay masks recorded with `record_masks` over ONE forward call:
+        recorded["attn"][i] / ["ffn"][i] = [mask [..., T, G]] (a list of one tensor, or the tensor)."""
+        spec = model_spec(model)
+        cfg.validate(spec)
+
+        def one(kind, i, groups):
+            m = recorded[kind][i]
+            if isinstance(m, (list, tuple)):
+                if len(m) != 1:
+                    raise ValueError(f"Routers.replay: {kind}[{i}] holds {len(m)} forward calls; record exactly one")
+                m = m[0]
+            if m.shape[-1] != groups:
+                raise ValueError(f"Routers.replay: {kind}[{i}] has {m.shape[-1]} groups, expected {groups}")
+            return ReplayRouter(m.detach() > 0.5 if m.dtype != torch.bool else m.detach())
+
+        L = spec.num_layers
+        return cls(spec, cfg, [one("attn", i, cfg.num_head_groups(spec)) for i in range(L)],
+                   [one("ffn", i, cfg.num_ffn_groups(spec)) for i in range(L)], kind="replay")
+
     # -- decisions ---------------------------------------------------------------------------------
     def decide(self, router: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Mask for h: bool [..., G] when hard, float 0/1 with straight-through gradient when relaxed."""
@@ -159,6 +206,8 @@ class Routers(nn.Module):
     def save(self, path) -> None:
         from safetensors.torch import save_file
 
+        if self.kind == "replay":
+            raise ValueError("replay routers hold masks for one recorded input (a check tool); they are not saved")
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=self._metadata())
