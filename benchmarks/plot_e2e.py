@@ -25,6 +25,8 @@ def main(argv=None):
         d = json.loads(Path(f).read_text())
         data = data or d
         for r in d.get("records", []):
+            for k in ("command", "date"):  # merged files: each record keeps the run it came from
+                r.setdefault(k, d.get(k))
             recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"])] = r
     data = dict(data, records=list(recs.values()))
     data["goals"] = R.goals(data["records"])
