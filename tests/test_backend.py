@@ -205,3 +205,17 @@ def test_replayed_masks_dense_graph():
         ref.ref_routers = wc.Routers.constant(spec, CFG, attn=[torch.ones(CFG.num_head_groups(spec), dtype=torch.bool)] * spec.num_layers,
                                               ffn=[torch.ones(CFG.num_ffn_groups(spec), dtype=torch.bool)] * spec.num_layers)
         assert (ref(ids) - exp).abs().max() > 1e-3  # the replayed masks matter
+
+
+def test_bf16_routers_in_graph():
+    """routers.to(torch.bfloat16): the router GEMMs run in bf16 (tensor cores on the GPU) in the compiled graph
+    exactly as in the eager reference; decisions are the eager reference's."""
+    model, ref, routers = pair("llama", routers_seed=5)
+    routers.to(torch.bfloat16)
+    assert all(r.proj.weight.dtype == torch.bfloat16 for r in routers.attn)
+    cm = wc.optimize(model, routers, inductor=False)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        m = wc.measure_capacity(ref, ids)["overall"]
+    assert 0 < m < 1
