@@ -180,6 +180,55 @@ def check_smollm2(device, dtype, new_tokens=32):
     return res
 
 
+def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
+    archs = ARCHS[:1] if quick else ARCHS
+    names = [f"replay:{a}" for a in archs]
+    if device.type == "cuda" and not quick:
+        names.append("replay:llama-3.1-8b-shape-2L")
+    names += [f"tiny:{a}:{k}:default" for a in archs for k in ("random", "constant")]
+    if device.type == "cuda" and not quick:
+        names.append("tiny:llama:random:reduce-overhead")
+    if not quick:
+        names = ["smollm2"] + names if smollm2_first else names + ["smollm2"]
+    return names
+
+
+def run_case(name: str, device, dtype) -> dict:
+    if name == "smollm2":
+        return check_smollm2(device, dtype)
+    kind, *rest = name.split(":")
+    if kind == "replay":
+        (arch,) = rest
+        if arch == "llama-3.1-8b-shape-2L":
+            return check_replay(arch, llama8b_layers(2), device, dtype,
+                                cfg=wc.WideConfig(ffn_group_size=64, head_group_size=1, router_init="random"))
+        return check_replay(arch, lambda: tiny_model(arch, seed=0), device, dtype)
+    arch, routers, mode = rest
+    return check_tiny(arch, routers, device, dtype, None if mode == "default" else mode)
+
+
+def run_isolated(name: str, args, timeout: float) -> dict:
+    """One case in its own process: a crash (the reduce-overhead case once died with SIGSEGV) or a hang is
+    recorded as that case's failure and the other cases still run."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--device", args.device, "--dtype", args.dtype]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-1500:]
+        return {"case": name, "ok": False, "error": f"timeout after {timeout:.0f} s",
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    for line in p.stdout.splitlines():
+        if line.startswith("CASE_RESULT "):
+            r = json.loads(line[len("CASE_RESULT "):])
+            r.setdefault("wall_s", round(time.time() - t0, 1))
+            return r
+    return {"case": name, "ok": False, "error": f"process exited with {p.returncode} and no result",
+            "stderr_tail": p.stderr[-1500:]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -187,54 +236,41 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_compiled_gpu.json"))
     ap.add_argument("--quick", action="store_true", help="llama only, no CUDA-graph run, no SmolLM2")
     ap.add_argument("--smollm2-first", action="store_true", help="run the SmolLM2 check before the tiny ones")
+    ap.add_argument("--case", help="run one case in this process and print it (used by the isolated runner)")
+    ap.add_argument("--case-timeout", type=float, default=300.0, help="seconds per isolated case")
+    ap.add_argument("--in-process", action="store_true", help="run every case in this process (no isolation)")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
+    if args.case:
+        try:
+            r = run_case(args.case, device, dtype)
+        except Exception as e:  # noqa: BLE001
+            r = {"ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
+        r["case"] = args.case
+        r.pop("explain", None)
+        print("CASE_RESULT " + json.dumps(r), flush=True)
+        return 0 if r.get("ok") else 1
     from wide_compile.passes._ops import missing_ops
 
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "dtype": args.dtype, "missing_ops": missing_ops(), "checks": []}
-    cases = [(a, k, None) for a in (ARCHS[:1] if args.quick else ARCHS) for k in ("random", "constant")]
-    if device.type == "cuda" and not args.quick:
-        cases.append(("llama", "random", "reduce-overhead"))
+              "dtype": args.dtype, "missing_ops": missing_ops(), "command": " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%d"), "checks": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-
-    def run_smollm2():
-        try:
-            r = check_smollm2(device, dtype)
-        except Exception as e:
-            r = {"arch": "SmolLM2-135M", "ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
+    for name in case_names(device, args.quick, args.smollm2_first):
+        if args.in_process:
+            try:
+                r = run_case(name, device, dtype)
+            except Exception as e:  # keep going: report every case
+                r = {"ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
+            r["case"] = name
+            torch._dynamo.reset()
+        else:
+            r = run_isolated(name, args, args.case_timeout)
         report["checks"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
-        torch._dynamo.reset()
-
-    if args.smollm2_first and not args.quick:
-        run_smollm2()
-    replays = [(a, (lambda a=a: tiny_model(a, seed=0)), None) for a in (ARCHS[:1] if args.quick else ARCHS)]
-    if device.type == "cuda" and not args.quick:
-        replays.append(("llama-3.1-8b-shape-2L", llama8b_layers(2), wc.WideConfig(ffn_group_size=64, head_group_size=1,
-                                                                                    router_init="random")))
-    for name, make, cfg in replays:
-        try:
-            r = check_replay(name, make, device, dtype, cfg=cfg)
-        except Exception as e:
-            r = {"arch": name, "routers": "replay", "ok": False, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
-        report["checks"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
-        torch._dynamo.reset()
-    for arch, kind, mode in cases:
-        try:
-            r = check_tiny(arch, kind, device, dtype, mode)
-        except Exception as e:  # keep going: report every case
-            r = {"arch": arch, "routers": kind, "mode": mode, "ok": False, "error": repr(e),
-                 "trace": traceback.format_exc()[-2000:]}
-        report["checks"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k not in ("trace", "explain")}), flush=True)
-        torch._dynamo.reset()
-        with open(args.out, "w") as f:  # partial results survive a timeout
+        print(json.dumps({k: v for k, v in r.items() if k not in ("trace", "explain", "stderr_tail")}), flush=True)
+        with open(args.out, "w") as f:  # partial results survive a timeout of the whole command
             json.dump(report, f, indent=1)
-    if not args.quick and not args.smollm2_first:
-        run_smollm2()
     report["ok"] = all(c.get("ok") for c in report["checks"])
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
