@@ -109,6 +109,9 @@ def main(argv=None):
     ap.add_argument("--lm-weight", type=float, default=0.1)
     ap.add_argument("--s2-lr", type=float, default=1e-3)
     ap.add_argument("--joint", action="store_true", help="also run WIDE stage 2 with jointly trained routers")
+    ap.add_argument("--static-at-wide-capacity", action="store_true",
+                    help="build the static baseline at the FLOP capacity WIDE stage 1 actually spent on the task "
+                         "prompts (so the two are compared at equal measured FLOPs), not at the nominal target")
     ap.add_argument("--no-stage2", action="store_true")
     ap.add_argument("--s2-recalibrate", action="store_true",
                     help="after stage 2, re-fit the routers' global offset on the LoRA-merged model so the "
@@ -252,8 +255,16 @@ def main(argv=None):
                 continue
             t0 = time.time()
             if method == "static":
-                r = baselines.static_pruning(model, calib, cap, allocation="best", eval_blocks=calib[:8], log=log)
+                wide_rec = next((x for x in results["records"] if x["method"] == "wide" and x["stage"] == 1
+                                 and x["capacity_target"] == cap), None)
+                st_cap = cap
+                if a.static_at_wide_capacity and wide_rec and wide_rec.get("capacity_measured"):
+                    st_cap = round(float(wide_rec["capacity_measured"]), 4)
+                r = baselines.static_pruning(model, calib, st_cap, allocation="best", eval_blocks=calib[:8], log=log)
                 extra = {"allocation": r.allocation}
+                if st_cap != cap:
+                    extra["static_capacity"] = st_cap
+                    extra["variant"] = "static at WIDE stage 1's measured task-prompt capacity"
             else:
                 cfg = Stage1Config(capacity=cap, steps=a.s1_steps, batch_size=a.batch_size, seq_len=a.seq_len,
                                    lr=a.s1_lr, cap_weight=a.cap_weight, lm_weight=a.lm_weight, seed=a.seed,
