@@ -31,7 +31,6 @@ import argparse
 import datetime as _dt
 import inspect
 import json
-import os
 import platform
 import sys
 import time

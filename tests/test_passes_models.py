@@ -2,8 +2,6 @@
 hand-written gpt-fast-style Llama; rewritten graph (run without Inductor) == eager attached reference."""
 from __future__ import annotations
 
-import math
-import warnings
 
 import pytest
 import torch

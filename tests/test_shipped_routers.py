@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 import wide_compile as wc
 

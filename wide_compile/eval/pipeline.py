@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
-import os
 import platform
 import shutil
 import tarfile
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..routing import FlopCost, Routers, attach, detach
+from ..routing import FlopCost, attach, detach
 from ..routing.attach import _require
 
 
@@ -142,7 +141,7 @@ def main(argv=None):
     from ..models import load_smollm2
     from ..training.data import TokenBlocks, default_data_root, load_tokens
     from ..training.stage1 import Stage1Config, deterministic_capacity, train_stage1
-    from ..training.stage2 import Stage2Config, save_lora, train_stage2
+    from ..training.stage2 import Stage2Config, train_stage2
     from . import baselines, report, tasks
     from .perplexity import wikitext2_ppl
 
@@ -196,7 +195,6 @@ def main(argv=None):
                 if not p.name.endswith(".lora.safetensors") or p.name.startswith("wide-"):
                     tf.add(p, arcname=p.name)
 
-    task_dict_cache = {}
 
     def evaluate(m, method, stage, cap, routers=None, **extra):
         t0 = time.time()

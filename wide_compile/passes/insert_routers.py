@@ -9,7 +9,6 @@ ValueError.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from ._graph import last_dim, meta

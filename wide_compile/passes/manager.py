@@ -14,7 +14,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 from torch import fx
 
 from ._graph import Weights
