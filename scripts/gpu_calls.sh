@@ -38,7 +38,7 @@ step() {
     tail -c 3000 "$OUT/check-smollm2.log" ;;
   train70)  # issue 5: capacity 0.7 (WIDE, SkipGPT, static, each with stage 2) and WIDE stage 2 with joint routers
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh --capacities 0.7 --deadline 520 \
-      --s1-steps 350 --s2-steps 150 --joint --s2-recalibrate ;;
+      --s1-steps 350 --s2-steps 150 --joint --s2-recalibrate --static-at-wide-capacity ;;
   e2e_table)  # issue 6: the rest of the table (8B/3B/SmolLM2 shapes at 4 layers), resumable in pieces
     cp benchmarks/results/e2e-h200.json "$OUT"/ 2>/dev/null
     timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --resume --out "$OUT" ;;
