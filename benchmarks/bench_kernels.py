@@ -308,7 +308,12 @@ VARIANTS = {
         for (bn, bk, w, st, dbn, sp, dw) in [
             (32, 256, 4, 3, 32, 8, 4), (32, 256, 4, 4, 32, 8, 4), (32, 256, 4, 3, 32, 16, 4), (32, 256, 4, 3, 64, 8, 4),
             (16, 512, 4, 3, 32, 8, 4), (64, 256, 8, 3, 32, 8, 4), (32, 128, 4, 5, 32, 8, 4), (32, 256, 4, 3, 32, 8, 2),
-            (32, 512, 8, 3, 16, 16, 4), (16, 256, 2, 4, 32, 8, 4)]],
+            (32, 512, 8, 3, 16, 16, 4), (16, 256, 2, 4, 32, 8, 4)]]
+       # wide weight tiles for the decode K-skip: each CTA streams whole 256/512-byte pieces of an active
+       # group's rows, with enough split-K CTAs to cover the GPU (E2E_NOTES.md: _kskip at 2.4 TB/s)
+       + [dict(dn_bn=dbn, dn_split=sp, dn_bk=bk, dn_warps=dw)
+          for (dbn, sp, bk, dw) in [(128, 32, 32, 4), (128, 64, 32, 4), (256, 32, 16, 4), (256, 64, 32, 8),
+                                    (256, 128, 16, 8), (128, 128, 64, 4)]],
     2048: [dict(path=p, up_bm=bm) for p in ("sorted", "tile") for bm in (64, 128)],
     8192: [dict(group_g=g) for g in (4, 64)] + [dict(group_m=g) for g in (4, 16)]
           + [dict(up_bk=bk, up_warps=w, up_stages=st) for (bk, w, st) in [(64, 8, 4), (128, 8, 3), (32, 4, 5)]]

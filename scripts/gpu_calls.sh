@@ -5,7 +5,7 @@
 #   call 1  carry [".gguf/p1", ".whl", ".data/eval"]  bash scripts/gpu_calls.sh setup1 verify          (~8 min)
 #   call 2  carry [".gguf/p2"]                         bash scripts/gpu_calls.sh setup2 smollm2         (~9 min)
 #   call 3  carry [".data/tok"]                        bash scripts/gpu_calls.sh train70                (~9 min)
-#   later sessions (nothing carried):                   bash scripts/gpu_calls.sh kernels | e2e_table
+#   later sessions (nothing carried):                   bash scripts/gpu_calls.sh kernels | kernels_sweep | e2e_table
 #
 # Calls 2 and 3 need the files earlier calls left in /root/wcache, so they must follow each other while the
 # machine is warm (it goes back 30 s after a call). Every step writes under $OUT. With 30 minutes of device
@@ -48,6 +48,8 @@ step() {
     timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --resume --out "$OUT" ;;
   kernels)  # issue 3: the kernel table again (post-fix code) with masks fitted to the trained routers
     timeout 560 python3 benchmarks/bench_kernels.py --out "$OUT/kernels-h200.json" ;;
+  kernels_sweep)  # decode K-skip with wide weight tiles, and the other config sweeps (density 0.5)
+    timeout 560 python3 benchmarks/bench_kernels.py --quick --variants --out "$OUT/kernels-sweep-h200.json" ;;
   *) echo "unknown step $1"; return 2 ;;
   esac
 }
