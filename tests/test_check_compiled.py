@@ -1,0 +1,53 @@
+"""The GPU check script's verdicts, exercised on the CPU: the replayed-mask check passes on a correct
+compile and fails when the compiled model's masks or numbers are wrong."""
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import wide_compile as wc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+C = importlib.import_module("check_compiled_gpu")
+
+
+def test_replay_verdict_passes_and_fails():
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(2, 5, 50, generator=g, dtype=torch.float64)
+    eager = exact + 1e-2 * torch.randn(exact.shape, generator=g, dtype=torch.float64)  # ~40 dB
+    good = exact + 1e-2 * torch.randn(exact.shape, generator=g, dtype=torch.float64)
+    bad = exact + 1e-1 * torch.randn(exact.shape, generator=g, dtype=torch.float64)  # 20 dB worse
+    assert C.replay_verdict(good, eager, exact)["ok"]
+    v = C.replay_verdict(bad, eager, exact)
+    assert not v["ok"] and v["sqnr_compiled_db"] < v["sqnr_eager_db"] - 15
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[0, :2] = False
+    junk = good.clone()
+    junk[0, :2] = 1e6  # pad positions: excluded
+    assert C.replay_verdict(junk, eager, exact, keep)["ok"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_replay_cpu(dtype):
+    r = C.check_replay("llama", lambda: wc.models.tiny_model("llama", seed=0), torch.device("cpu"), dtype,
+                       seqs=((1, 40), (3, 1)))
+    assert r["ok"], r
+    assert all(0 < c["ffn_on"] < 1 for c in r["cases"])
+
+
+def test_replay_check_catches_wrong_masks(monkeypatch):
+    """A compiled model that runs other masks than the reference must fail the verdict."""
+    real_optimize = wc.optimize
+
+    def optimize_with_flipped_masks(model, routers, **kw):
+        flipped = wc.Routers.replay(model, routers.cfg,
+                                    {k: [~getattr(routers, k)[i].mask for i in range(len(getattr(routers, k)))]
+                                     for k in ("attn", "ffn")})
+        return real_optimize(model, flipped, **kw)
+
+    monkeypatch.setattr(C.wc, "optimize", optimize_with_flipped_masks)
+    r = C.check_replay("llama", lambda: wc.models.tiny_model("llama", seed=0), torch.device("cpu"), torch.float32,
+                       seqs=((1, 24),))
+    assert not r["ok"], r
