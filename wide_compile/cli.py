@@ -126,10 +126,14 @@ def cmd_demo(args) -> int:
               f"(attention {cap['attn']:.3f}, FFN {cap['ffn']:.3f}; routers {cap['router_flops_fraction']:.4f})")
     con.print(f"[bold]dense model[/] for comparison: {tok.decode(dense_out[0, n_prompt:])!r}")
     path = "compiled WIDE (backend='wide', Triton kernels)" if runner is not model else "WIDE eager reference"
-    con.print(f"time for {len(new)} new tokens on {dev}: dense eager {dense_s:.2f} s, {path} {wide_s:.2f} s")
+    n_dense = dense_out.shape[1] - n_prompt
+    # the two runs can stop at different lengths (EOS): compare time per generated token
+    dense_tok, wide_tok = dense_s / max(n_dense, 1), wide_s / max(len(new), 1)
+    con.print(f"time on {dev}: dense eager {dense_s:.2f} s for {n_dense} new tokens ({1e3 * dense_tok:.1f} ms/token), "
+              f"{path} {wide_s:.2f} s for {len(new)} ({1e3 * wide_tok:.1f} ms/token)")
     if runner is not model:
-        con.print(f"speedup against dense eager on this GPU: {dense_s / wide_s:.2f}× (one run; `wide bench` "
-                  "measures properly against dense Inductor)")
+        con.print(f"per-token speedup against dense eager on this GPU: {dense_tok / wide_tok:.2f}× (one run, prompt "
+                  "included; `wide bench` measures properly against dense Inductor)")
     else:
         con.print("[dim]On the CPU WIDE runs its exact reference path (every group computed, then masked): it is "
                   "not meant to be faster. Speed comes from the GPU kernels (wide bench).[/]")
