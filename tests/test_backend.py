@@ -208,14 +208,23 @@ def test_replayed_masks_dense_graph():
 
 
 def test_bf16_routers_in_graph():
-    """routers.to(torch.bfloat16): the router GEMMs run in bf16 (tensor cores on the GPU) in the compiled graph
-    exactly as in the eager reference; decisions are the eager reference's."""
+    """optimize(router_dtype=torch.bfloat16): the router GEMMs run in bf16 (tensor cores on the GPU) in the
+    compiled graph exactly as in the eager reference, which shares the cast routers."""
     model, ref, routers = pair("llama", routers_seed=5)
-    routers.to(torch.bfloat16)
-    assert all(r.proj.weight.dtype == torch.bfloat16 for r in routers.attn)
-    cm = wc.optimize(model, routers, inductor=False)
+    cm = wc.optimize(model, routers, inductor=False, router_dtype=torch.bfloat16)
+    assert all(r.proj.weight.dtype == torch.bfloat16 for r in list(routers.attn) + list(routers.ffn))
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         m = wc.measure_capacity(ref, ids)["overall"]
     assert 0 < m < 1
+
+
+def test_router_dtype_model_and_errors():
+    model, ref, routers = pair("llama", routers_seed=6)
+    wc.optimize(model, routers, inductor=False, router_dtype="model")  # fp32 model: stays fp32
+    assert routers.attn[0].proj.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="router_dtype"):
+        wc.optimize(model, routers, inductor=False, router_dtype="half please")
+    with pytest.raises(ValueError, match="floating-point"):
+        wc.optimize(model, routers, inductor=False, router_dtype=torch.int8)
