@@ -228,3 +228,16 @@ def test_router_dtype_model_and_errors():
         wc.optimize(model, routers, inductor=False, router_dtype="half please")
     with pytest.raises(ValueError, match="floating-point"):
         wc.optimize(model, routers, inductor=False, router_dtype=torch.int8)
+
+
+def test_static_cache_helper_generate(compiled_llama):
+    """wc.static_cache: an early-allocated StaticCache; generate() with it == with a lazily allocated one."""
+    cm, ref = compiled_llama
+    ids = torch.randint(1, 128, (2, 7))
+    cache = wc.static_cache(cm, 2, 20)
+    assert cache.is_initialized if not callable(cache.is_initialized) else cache.is_initialized()
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = cm.generate(ids, past_key_values=cache, **kw)
+        exp = ref.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(out, exp)

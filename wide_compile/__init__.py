@@ -5,11 +5,11 @@ from .routing import Routers, attach, detach, is_attached, measure_capacity
 __version__ = "0.1.0"
 
 __all__ = ["WideConfig", "Routers", "attach", "detach", "is_attached", "measure_capacity", "optimize",
-           "explain", "__version__"]
+           "explain", "static_cache", "__version__"]
 
 
 def __getattr__(name):  # the compiler side imports torch._dynamo / inductor: load it on first use
-    if name in ("optimize", "explain"):
+    if name in ("optimize", "explain", "static_cache"):
         from . import api
 
         return getattr(api, name)

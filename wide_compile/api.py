@@ -84,6 +84,24 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     return model
 
 
+def static_cache(model: nn.Module, batch_size: int, max_cache_len: int):
+    """A transformers StaticCache for `model`, allocated now (early_initialization) rather than on its first
+    update. Pass it as generate(past_key_values=...) when the whole model is compiled with CUDA graphs
+    (mode="reduce-overhead"): a lazily initialised cache is allocated inside the compiled region and then
+    fed back as a mutated input, the pattern of pytorch/pytorch#192748 (cudagraph trees SIGSEGV), which is
+    how the H200 check crashed."""
+    from transformers import StaticCache
+
+    cfg = model.config
+    p = next(model.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
+    cache.early_initialization(batch_size=batch_size, num_heads=n_kv, head_dim=head_dim, dtype=p.dtype,
+                               device=p.device)
+    return cache
+
+
 @dataclass
 class Explanation:
     """What the WIDE passes detected, rewrote and left dense, per compiled graph and per layer."""

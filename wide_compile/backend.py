@@ -66,10 +66,11 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     mode = own.get("mode")
     if mode and "reduce-overhead" in mode and any(getattr(t, "is_cuda", False) for t in example_inputs):
         warnings.warn("wide_compile: mode='reduce-overhead' (Inductor CUDA graphs) is not verified with the WIDE ops: "
-                      "on the H200 (torch 2.11) generate() with a static cache crashed the process (SIGSEGV) after "
-                      "Inductor skipped CUDA graphs for the cache-mutating graph. Default mode, optionally captured "
-                      "in a torch.cuda.CUDAGraph, is the verified decode path (benchmarks/e2e/timing.py: cuda_graph_step).",
-                      RuntimeWarning, stacklevel=2)
+                      "on the H200 (torch 2.11) generate() with a lazily allocated static cache crashed the process "
+                      "(SIGSEGV; the pattern of pytorch/pytorch#192748: a buffer allocated inside the compiled region "
+                      "fed back as a mutated input). Pass generate(past_key_values=wide_compile.static_cache(model, "
+                      "batch, max_len)), or use the default mode captured in a torch.cuda.CUDAGraph (the verified "
+                      "decode path, benchmarks/e2e/timing.py: cuda_graph_step).", RuntimeWarning, stacklevel=2)
     if mode and mode != "default":
         from torch._inductor import list_mode_options
 
