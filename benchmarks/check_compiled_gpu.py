@@ -99,8 +99,11 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
         kw = dict(attention_mask=am, max_new_tokens=16, do_sample=False, pad_token_id=0)
         if mode and "reduce-overhead" in mode:
             # CUDA graphs: the cache must be allocated outside the compiled region (wc.static_cache)
-            out = cm.generate(ids[:, :12], past_key_values=wc.static_cache(cm, 2, 28), **kw)
-            exp = ref.generate(ids[:, :12], past_key_values=wc.static_cache(ref, 2, 28), **kw)
+            from wide_compile.api import cache_arg_name
+
+            key = cache_arg_name(ref)
+            out = cm.generate(ids[:, :12], **{key: wc.static_cache(cm, 2, 28)}, **kw)
+            exp = ref.generate(ids[:, :12], **{key: wc.static_cache(ref, 2, 28)}, **kw)
         else:
             out = cm.generate(ids[:, :12], cache_implementation="static", **kw)
             exp = ref.generate(ids[:, :12], cache_implementation="static", **kw)

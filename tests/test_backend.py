@@ -238,6 +238,8 @@ def test_static_cache_helper_generate(compiled_llama):
     assert cache.is_initialized if not callable(cache.is_initialized) else cache.is_initialized()
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        out = cm.generate(ids, past_key_values=cache, **kw)
+        from wide_compile.api import cache_arg_name
+
+        out = cm.generate(ids, **{cache_arg_name(ref): cache}, **kw)
         exp = ref.generate(ids, cache_implementation="static", **kw)
     assert torch.equal(out, exp)

@@ -84,9 +84,19 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     return model
 
 
+def cache_arg_name(model: nn.Module) -> str:
+    """The keyword under which `model` (and its generate()) takes a KV cache: "cache" in newer transformers
+    releases (5.24), "past_key_values" in older ones (5.17)."""
+    import inspect
+
+    fwd = getattr(model, "_orig_mod", model).forward
+    return "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
+
+
 def static_cache(model: nn.Module, batch_size: int, max_cache_len: int):
     """A transformers StaticCache for `model`, allocated now (early_initialization) rather than on its first
-    update. Pass it as generate(past_key_values=...) when the whole model is compiled with CUDA graphs
+    update. Pass it as generate(**{wc.api.cache_arg_name(model): cache}) (past_key_values= / cache=, by
+    transformers version) when the whole model is compiled with CUDA graphs
     (mode="reduce-overhead"): a lazily initialised cache is allocated inside the compiled region and then
     fed back as a mutated input, the pattern of pytorch/pytorch#192748 (cudagraph trees SIGSEGV), which is
     how the H200 check crashed."""

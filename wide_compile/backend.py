@@ -68,8 +68,8 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
         warnings.warn("wide_compile: mode='reduce-overhead' (Inductor CUDA graphs) is not verified with the WIDE ops: "
                       "on the H200 (torch 2.11) generate() with a lazily allocated static cache crashed the process "
                       "(SIGSEGV; the pattern of pytorch/pytorch#192748: a buffer allocated inside the compiled region "
-                      "fed back as a mutated input). Pass generate(past_key_values=wide_compile.static_cache(model, "
-                      "batch, max_len)), or use the default mode captured in a torch.cuda.CUDAGraph (the verified "
+                      "fed back as a mutated input). Pass an early-allocated cache, wide_compile.static_cache(model, "
+                      "batch, max_len), to generate(), or use the default mode captured in a torch.cuda.CUDAGraph (the verified "
                       "decode path, benchmarks/e2e/timing.py: cuda_graph_step).", RuntimeWarning, stacklevel=2)
     if mode and mode != "default":
         from torch._inductor import list_mode_options
