@@ -251,9 +251,12 @@ def bench(quick, log, variants):
                     }
                     t_re = graph_time(lambda: torch.ops.wide.mask_reorder(m, 64 if T > 16 else 1))
                     for op in ("mlp", "attn_q", "attn_o"):
+                        mm = m if op == "mlp" else ma
                         recs.append(dict(op=op, model=name, T=T, density=d, masks=mask_label(kind),
                                          mask_model=mask_model_name(kind, G if op == "mlp" else Ga, d),
-                                         actual_density=(m if op == "mlp" else ma).float().mean().item(),
+                                         actual_density=mm.float().mean().item(),
+                                         # what a few-token step must read: groups active for any token
+                                         union_density=mm.any(0).float().mean().item(),
                                          dense_ms=t_dense[op], static_ms=t_static[op], wide_ms=t_wide[op],
                                          speedup=t_dense[op] / t_wide[op], vs_static=t_static[op] / t_wide[op]))
                     recs.append(dict(op="reorder", model=name, T=T, density=d, masks=mask_label(kind),
