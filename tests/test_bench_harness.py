@@ -102,3 +102,16 @@ def test_profile_mode(tmp_path):
     assert "gemm" in r["profile"]["wide"]
     text = (tmp_path / "e2e-smoke-profile.txt").read_text()
     assert "--- wide ---" in text and "by category" in text
+
+
+def test_smoke_bf16_routers(tmp_path):
+    """--router-dtype model: the routers are cast to the model dtype and the records say so."""
+    import bench_e2e
+
+    _register_fake_backend()
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--prefill-batch", "1",
+                           "--phases", "prefill", "--capacities", "0.5", "--masks", "random",
+                           "--router-dtype", "model"])
+    recs = data["records"]
+    assert recs and all(r["router_dtype"] == "model" for r in recs)
+    assert all(r["wide_ms"] and r["measured_capacity"] for r in recs), recs
