@@ -184,6 +184,10 @@ class Weights:
         self._consts[key] = node
         return node
 
+    def transposed(self, t: torch.Tensor, name: str, before: fx.Node) -> fx.Node:
+        """A constant holding t.T, contiguous (a weight re-laid out once, at compile time)."""
+        return self.constant(("t", id(t)), name, lambda: t.detach().t().contiguous(), before=before)
+
     def call(self, target: Callable, args: tuple, kwargs: dict | None = None) -> fx.Node:
         """Insert call_function(target) at the current insertion point and fill its fake example value."""
         node = self.gm.graph.call_function(target, args, kwargs or {})

@@ -140,9 +140,13 @@ class PassContext:
             counters()[key] += n
             self.report.counts[key] += n
 
-    def fallback(self, what: str, node: fx.Node | None, why: str) -> None:
-        """Leave a subgraph dense with a warning naming it (or raise in strict mode)."""
+    def fallback(self, what: str, node: fx.Node | None, why: str, match=None) -> None:
+        """Leave a subgraph dense with a warning naming it (or raise in strict mode); `match` (an MLPMatch /
+        AttnMatch) is marked as fallen back with `why` as its reason."""
         from ._graph import describe
+
+        if match is not None:
+            match.status, match.reason = "fallback", why
 
         msg = f"wide_compile: {what} at {describe(node)} left dense (plain Inductor): {why}"
         self.report.fallbacks.append(msg)

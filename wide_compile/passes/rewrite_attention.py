@@ -28,13 +28,10 @@ class RewriteAttention(Pass):
             elif last_dim(a.q) is not None and last_dim(a.q) != nq:
                 why = f"q width {last_dim(a.q)} != o input width {nq}"
             if why:
-                a.status, a.reason = "fallback", why
-                ctx.fallback("attention", a.o, why)
+                ctx.fallback("attention", a.o, why, match=a)
                 continue
-            wo_t = W.tensor(wo)
             with ctx.gm.graph.inserting_before(a.o):
-                wot = W.constant(("t", id(wo_t)), f"L{a.layer}_w_o_t", lambda: wo_t.detach().t().contiguous(),
-                                 before=a.o)
+                wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
                 new_o = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size))
             a.o.replace_all_uses_with(new_o)
             erase_unused(ctx.gm, [a.o, *a.expand_nodes])

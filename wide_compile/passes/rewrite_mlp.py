@@ -28,13 +28,10 @@ class RewriteMLP(Pass):
             elif last_dim(m.gate) is not None and m.groups * m.group_size != last_dim(m.gate):
                 why = f"{m.groups} groups x {m.group_size} do not cover the FFN width {last_dim(m.gate)}"
             if why:
-                m.status, m.reason = "fallback", why
-                ctx.fallback("SwiGLU MLP", m.down, why)
+                ctx.fallback("SwiGLU MLP", m.down, why, match=m)
                 continue
-            wd_t = W.tensor(wd)
             with ctx.gm.graph.inserting_before(m.down):
-                wdt = W.constant(("t", id(wd_t)), f"L{m.layer}_w_down_t", lambda: wd_t.detach().t().contiguous(),
-                                 before=m.down)
+                wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
                 new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size))
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
