@@ -135,6 +135,22 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     return res
 
 
+def replay_compare(model, ref, live, inputs: dict, keep=None) -> tuple[dict, dict]:
+    """Record the masks `live` routers give on `ref` for `inputs`, replay them in wc.optimize(model), in `ref`
+    and in a float64 copy of `ref`; -> (replay_verdict, recorded masks). Consumes model and ref."""
+    wc.attach(ref, live)
+    with torch.no_grad(), wc.routing.record_masks(ref) as rec:
+        ref(**inputs)
+    replay = wc.Routers.replay(ref, live.cfg, rec)
+    wc.attach(ref, replay)
+    cm = wc.optimize(model, replay)
+    with torch.no_grad():
+        comp, eager = cm(**inputs).logits, ref(**inputs).logits
+        del cm, model
+        exact = wc.attach(ref.double(), replay)(**inputs).logits
+    return replay_verdict(comp, eager, exact, keep), rec
+
+
 def check_replay(name, make, device, dtype, seqs=((1, 300), (4, 1)), cfg=None):
     """Kernel/pass error alone: masks recorded from random routers (calibrated to ~0.5) on the eager
     reference, replayed in the compiled model, the eager reference and a float64 copy (Routers.replay), so no
@@ -148,21 +164,10 @@ def check_replay(name, make, device, dtype, seqs=((1, 300), (4, 1)), cfg=None):
         model, ref = make().to(device=device, dtype=dtype), make().to(device=device, dtype=dtype)
         live = wc.Routers.init(model, cfg, seed=0)
         live.calibrate_(ref, torch.randint(1, 128, (2, 64), device=device), capacity=0.5)
-        wc.attach(ref, live)
-        ids = torch.randint(1, 128, (b, t), device=device)
-        with torch.no_grad(), wc.routing.record_masks(ref) as rec:
-            ref(input_ids=ids)
-        replay = wc.Routers.replay(ref, cfg, rec)
-        wc.attach(ref, replay)
-        cm = wc.optimize(model, replay)
-        with torch.no_grad():
-            comp, eager = cm(input_ids=ids).logits, ref(input_ids=ids).logits
-            del cm, model
-            exact_m = wc.attach(ref.double(), replay)
-            exact = exact_m(input_ids=ids).logits
+        verdict, rec = replay_compare(model, ref, live, {"input_ids": torch.randint(1, 128, (b, t), device=device)})
+        del model, ref  # replay_compare consumed them (ref is now the float64 copy)
         on = torch.cat([m[0].flatten() for m in rec["ffn"]]).float().mean().item()
-        res["cases"].append({"batch": b, "len": t, "ffn_on": round(on, 3), **replay_verdict(comp, eager, exact)})
-        del ref, exact_m
+        res["cases"].append({"batch": b, "len": t, "ffn_on": round(on, 3), **verdict})
     res["ok"] = all(c["ok"] for c in res["cases"])
     res["wall_s"] = round(time.time() - t0, 1)
     return res
@@ -185,7 +190,9 @@ def llama8b_layers(layers=2):
     return make
 
 
-def check_smollm2(device, dtype, new_tokens=32):
+def load_smollm2_pair(device, dtype):
+    """(model to compile, eager reference, tokenizer with left padding), or a 'skipped' result when the GGUF
+    is not available locally."""
     from wide_compile.models import ModelNotFoundError, load_smollm2
 
     try:
@@ -193,9 +200,17 @@ def check_smollm2(device, dtype, new_tokens=32):
         ref, _ = load_smollm2(dtype=dtype, device=device, download=False)
     except ModelNotFoundError as e:
         return {"arch": "SmolLM2-135M", "skipped": str(e).splitlines()[0], "ok": True}
+    tok.padding_side = "left"
+    return model, ref, tok
+
+
+def check_smollm2(device, dtype, new_tokens=32):
+    loaded = load_smollm2_pair(device, dtype)
+    if isinstance(loaded, dict):
+        return loaded
+    model, ref, tok = loaded
     cfg = wc.WideConfig(ffn_group_size=64, head_group_size=1, router_init="random")
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
-    tok.padding_side = "left"
     batch = tok(prompts, return_tensors="pt", padding=True).to(device)
     if "smollm2-135m-c50" in wc.Routers.available():  # the shipped, trained routers
         routers = wc.Routers.pretrained("smollm2-135m-c50", model)
@@ -228,32 +243,18 @@ def check_smollm2_replay(device, dtype):
     """SmolLM2 with the shipped routers: masks recorded on the eager reference for a left-padded 2-prompt
     batch, replayed in the compiled model, the eager reference and a float64 copy; judged on the real
     (non-pad) positions by SQNR against the float64 copy (replay_verdict)."""
-    from wide_compile.models import ModelNotFoundError, load_smollm2
-
-    try:
-        model, tok = load_smollm2(dtype=dtype, device=device, download=False)
-        ref, _ = load_smollm2(dtype=dtype, device=device, download=False)
-    except ModelNotFoundError as e:
-        return {"arch": "SmolLM2-135M", "skipped": str(e).splitlines()[0], "ok": True}
-    tok.padding_side = "left"
+    loaded = load_smollm2_pair(device, dtype)
+    if isinstance(loaded, dict):
+        return loaded
+    model, ref, tok = loaded
     batch = tok(["The capital of France is", "def fibonacci(n):\n    # returns the n-th number"],
                 return_tensors="pt", padding=True).to(device)
-    live = wc.Routers.pretrained("smollm2-135m-c50", ref)
-    wc.attach(ref, live)
-    with torch.no_grad(), wc.routing.record_masks(ref) as rec:
-        ref(**batch)
-    replay = wc.Routers.replay(ref, live.cfg, rec)
-    wc.attach(ref, replay)
     t0 = time.time()
-    cm = wc.optimize(model, replay)
-    with torch.no_grad():
-        comp, eager = cm(**batch).logits, ref(**batch).logits
-        compile_s = round(time.time() - t0, 1)
-        del cm, model
-        exact = wc.attach(ref.double(), replay)(**batch).logits
-    keep = batch.attention_mask.bool()  # pad positions attend to nothing: their outputs are not defined
+    # pad positions attend to nothing: their outputs are not defined
+    verdict, _ = replay_compare(model, ref, wc.Routers.pretrained("smollm2-135m-c50", ref), dict(batch),
+                                keep=batch.attention_mask.bool())
     return {"arch": "SmolLM2-135M", "routers": "smollm2-135m-c50, masks replayed", "dtype": str(dtype),
-            "compile_s": compile_s, **replay_verdict(comp, eager, exact, keep)}
+            "wall_s": round(time.time() - t0, 1), **verdict}
 
 
 def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
