@@ -714,8 +714,7 @@ class ModelBench:
     @torch.no_grad()
     def check(self, wide_v: Variant, eager_v: Variant) -> dict:
         """Compiled WIDE vs the eager reference on the timed inputs: relative error of the logits."""
-        outs = []
-        for v in (wide_v, eager_v):
+        def logits(v: Variant) -> torch.Tensor:
             step = v.info.get("raw_step", v.step)
             if v.reset:
                 v.reset()
@@ -723,10 +722,14 @@ class ModelBench:
             lg = getattr(o, "logits", None)
             if lg is None:
                 lg = o[0] if isinstance(o, (tuple, list)) else o
-            outs.append(lg.float().clone())
-        c, e = outs
-        rel = ((c - e).norm() / e.norm().clamp_min(1e-30)).item()
-        agree = (c.argmax(-1) == e.argmax(-1)).float().mean().item()
+            return lg.float().clone()
+
+        def compare(x, ref) -> tuple[float, float]:
+            return (((x - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
+                    (x.argmax(-1) == ref.argmax(-1)).float().mean().item())
+
+        c, e = logits(wide_v), logits(eager_v)
+        rel, agree = compare(c, e)
         res = {"logits_rel_err": round(rel, 6), "argmax_agree": round(agree, 4), "finite": bool(torch.isfinite(c).all())}
         # Noise floor of that comparison: the same eager reference with every router bias moved by
         # N(0, 1e-3) (below bf16 rounding of a logit of size ~1). Decisions within that of 0 flip, and in a deep
@@ -736,25 +739,11 @@ class ModelBench:
         try:
             import wide_compile as wc
 
-            routers = wc.routing.attached_routers(self.wide_model)
-            biases = [r.proj.bias for r in list(routers.attn) + list(routers.ffn)
-                      if hasattr(r, "proj") and r.proj.bias is not None]
-            if biases:
-                saved = [b.detach().clone() for b in biases]
-                g = torch.Generator(device=biases[0].device).manual_seed(0)
-                for b in biases:
-                    b.add_(torch.randn(b.shape, generator=g, device=b.device, dtype=b.dtype) * 1e-3)
-                try:
-                    step = eager_v.info.get("raw_step", eager_v.step)
-                    if eager_v.reset:
-                        eager_v.reset()
-                    o = step()
-                    j = getattr(o, "logits", o[0] if isinstance(o, (tuple, list)) else o).float()
-                finally:
-                    for b, v in zip(biases, saved):
-                        b.copy_(v)
-                res["jitter_floor_rel_err"] = round(((j - e).norm() / e.norm().clamp_min(1e-30)).item(), 6)
-                res["jitter_floor_argmax_agree"] = round((j.argmax(-1) == e.argmax(-1)).float().mean().item(), 4)
+            with M.jittered_router_biases(wc.routing.attached_routers(self.wide_model), 1e-3) as moved:
+                if moved:
+                    j_rel, j_agree = compare(logits(eager_v), e)
+                    res["jitter_floor_rel_err"] = round(j_rel, 6)
+                    res["jitter_floor_argmax_agree"] = round(j_agree, 4)
         except Exception as ex:  # noqa: BLE001
             res["jitter_floor_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
         return res

@@ -52,13 +52,8 @@ def main(argv=None):
     t0 = time.time()
     with torch.no_grad():
         eager = ref(input_ids=ids).logits
-        biases = [r.proj.bias for r in list(routers.attn) + list(routers.ffn)]
-        saved = [b.clone() for b in biases]
-        for b in biases:
-            b.add_(torch.randn_like(b) * a.jitter)
-        jittered = ref(input_ids=ids).logits
-        for b, v in zip(biases, saved):
-            b.copy_(v)
+        with M.jittered_router_biases(routers, a.jitter):
+            jittered = ref(input_ids=ids).logits
     print(f"{a.shape} layers={a.layers} tokens={a.tokens}: eager vs eager with router biases + N(0, {a.jitter}): "
           f"{compare(jittered, eager)}", flush=True)
     if not a.no_compile:

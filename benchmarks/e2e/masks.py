@@ -36,6 +36,7 @@ trained     SmolLM2's shipped routers, on the real SmolLM2 model only.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -77,6 +78,26 @@ def all_on_routers(model, cfg: WideConfig, seed: int = 0) -> Routers:
         for rr in list(r.attn) + list(r.ffn):
             rr.proj.bias.fill_(1e4)
     return r
+
+
+@contextmanager
+@torch.no_grad()
+def jittered_router_biases(routers: Routers, std: float = 1e-3, seed: int = 0):
+    """Within the context every learned router's bias is moved by N(0, std^2) (restored on exit): the
+    smallest change that flips the decisions sitting within `std` of 0, i.e. the noise floor of a
+    compiled-vs-eager comparison with live routers. Yields the number of biases moved."""
+    biases = [r.proj.bias for r in list(routers.attn) + list(routers.ffn)
+              if hasattr(r, "proj") and r.proj.bias is not None]
+    saved = [b.detach().clone() for b in biases]
+    if biases:
+        g = torch.Generator(device=biases[0].device).manual_seed(seed)
+        for b in biases:
+            b.add_(torch.randn(b.shape, generator=g, device=b.device, dtype=b.dtype) * std)
+    try:
+        yield len(biases)
+    finally:
+        for b, v in zip(biases, saved):
+            b.copy_(v)
 
 
 def _group_rates(rate: float, groups: int, s: float, gen: torch.Generator) -> torch.Tensor:
