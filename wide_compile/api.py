@@ -35,7 +35,7 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              tensor cores, 4.6 ms of a 52 ms Llama-3.1-8B-shape prefill); "model" casts them (in place) to the
              model's dtype, or give a torch.dtype. bf16 routers flip decisions whose logit lies within bf16
              rounding of 0: on SmolLM2 with the shipped routers 0.71 % (attention) / 0.98 % (FFN) of decisions,
-             capacity 0.5091 -> 0.5093. The eager reference uses the same (cast) routers.
+             capacity 0.5091 -> 0.5093 (benchmarks/router_precision.py). The eager reference uses the same (cast) routers.
     options: see wide_compile.backend (strict, mode="reduce-overhead" for CUDA graphs, Inductor patches).
     """
     if not isinstance(model, nn.Module):
