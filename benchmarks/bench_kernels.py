@@ -195,7 +195,7 @@ def correctness(log):
     return worst
 
 
-def bench(quick, log, variants):
+def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=lambda recs: None):
     gen = torch.Generator(device=DEV).manual_seed(1)
     recs = []
     Ts = TS
@@ -206,6 +206,10 @@ def bench(quick, log, variants):
         Nq, cols = spec["nq"] * spec["hd"], spec["hg"] * spec["hd"]
         G, Ga = Fd // gs, spec["nq"] // spec["hg"]
         for T in Ts:
+            if time.time() > deadline:
+                log(f"time budget spent: {name} T={T} and later not measured")
+                break
+            save(recs)  # a run cut short by the device's limit still returns every finished row
             x = torch.randn(T, D, device=DEV, generator=gen).to(DT)
             a = torch.randn(T, Nq, device=DEV, generator=gen).to(DT)
 
@@ -241,7 +245,7 @@ def bench(quick, log, variants):
                     "attn_q": graph_time(lambda: F.linear(x, wqs)),
                     "attn_o": graph_time(lambda: F.linear(as_, wos)),
                 }
-                for kind in MASK_KINDS:
+                for kind in kinds:
                     m = make_mask(T, G, d, kind, gen)
                     ma = make_mask(T, Ga, d, kind, gen)
                     t_wide = {
@@ -276,7 +280,7 @@ def bench(quick, log, variants):
             x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
             h = torch.randn(T, spec["F"], device=DEV, generator=gen).to(DT)
             wd = W["wd_t"].t().contiguous()
-            for kind in MASK_KINDS:
+            for kind in kinds:
                 m = make_mask(T, G, 0.5, kind, gen)
                 m8 = m.view(torch.uint8)
                 cfg = default_config(T, spec["D"], spec["F"], gs, spec["D"])
@@ -293,7 +297,7 @@ def bench(quick, log, variants):
         G = spec["F"] // spec["gs"]
         for T, cfgs in variants.items():
             x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
-            for kind in MASK_KINDS:
+            for kind in kinds:
                 m = make_mask(T, G, 0.5, kind, gen)
                 for cfg in cfgs:
                     try:
@@ -331,6 +335,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also sweep kernel configs (Llama MLP, d=0.5)")
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
+    ap.add_argument("--masks", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
+    ap.add_argument("--time-budget-s", type=float, default=float("inf"),
+                    help="stop starting new T rows after this many seconds (the file then holds what finished)")
     args = ap.parse_args()
     t0 = time.time()
     log = lambda s: print(f"[{time.time()-t0:6.1f}s] {s}", flush=True)  # noqa: E731
@@ -342,14 +349,18 @@ def main():
     variants = VARIANTS if args.variants else {}
     if DRY and variants:
         variants = {1: VARIANTS[1][:2], 20: VARIANTS[8192][:2] + VARIANTS[8192][-1:]}
-    recs, var = bench(args.quick, log, variants)
-    out = dict(records=recs, variants=var, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=triton.__version__, date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
-               correctness_worst_rel_l2_bf16=worst, mask_kinds=MASK_KINDS,
-               timing="CUDA graph replay of one call, triton do_bench median (L2 cleared before each rep)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    def save(recs, var=()):
+        out = dict(records=recs, variants=list(var), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+                   correctness_worst_rel_l2_bf16=worst, mask_kinds=list(args.masks),
+                   timing="CUDA graph replay of one call, triton do_bench median (L2 cleared before each rep)")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    recs, var = bench(args.quick, log, variants, kinds=tuple(args.masks), deadline=t0 + args.time_budget_s,
+                      save=save)
+    save(recs, var)
     print("\nop      model          T     d     masks       dense_ms  static_ms  wide_ms  speedup vs_static")
     for r in recs:
         if r["op"] in ("mlp", "attn_q", "attn_o") and r["density"] == 0.5:

@@ -2,7 +2,7 @@
 # The H200 work that is still owed (issues 3-6), cut into device calls that each fit the 10-minute limit
 # and the 64 MiB carry limit (shared/DEVICE.md). Run from the repo root on the GPU machine:
 #
-#   call 1  carry [".gguf/p1", ".whl", ".data/eval"]  bash scripts/gpu_calls.sh setup1 verify          (~8 min)
+#   call 1  carry [".gguf/p1", ".whl", ".data/eval"]  bash scripts/gpu_calls.sh setup1 check kernels_fit (~9 min)
 #   call 2  carry [".gguf/p2"]                         bash scripts/gpu_calls.sh setup2 smollm2         (~9 min)
 #   call 3  carry [".data/tok"]                        bash scripts/gpu_calls.sh train70                (~9 min)
 #   later sessions (nothing carried):                   bash scripts/gpu_calls.sh kernels | kernels_sweep | e2e_table
@@ -24,6 +24,13 @@ step() {
   setup2)  # GGUF part 2: join and check
     cp .gguf/p2/* "$C"/ && cat "$C"/part.aa "$C"/part.ab "$C"/part.ac > "$WIDE_SMOLLM2_GGUF" &&
       sha256sum "$WIDE_SMOLLM2_GGUF" | grep -q '^b179c952' && echo "GGUF ok" ;;
+  check)  # issue 4: replayed-mask kernel checks (tiny archs + 2-layer 8B shape), reduce-overhead generate()
+    timeout 230 python3 benchmarks/check_compiled_gpu.py --only replay: tiny:llama:random:reduce-overhead \
+      --case-timeout 100 --out "$OUT/check-compiled-h200.json" > "$OUT/check.log" 2>&1
+    grep '^{' "$OUT/check.log" | cut -c1-300 ;;
+  kernels_fit)  # issue 3: the kernel table (post-fix code) with random and router-fitted masks, cut to fit
+    timeout 300 python3 benchmarks/bench_kernels.py --masks random fitted --time-budget-s 240 \
+      --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -40 "$OUT/kernels.log" ;;
   verify)  # issue 4 + 6: replayed-mask kernel checks (tiny archs + 2-layer 8B shape) and the reduce-overhead
            # generate() with an early-allocated cache; then the goal rows with tensor-core routers (32 layers)
     timeout 230 python3 benchmarks/check_compiled_gpu.py --only replay: tiny:llama:random:reduce-overhead \
@@ -38,8 +45,8 @@ step() {
     timeout 240 python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1; timeout 140 python3 benchmarks/check_compiled_gpu.py --case smollm2-replay:bfloat16 >> "$OUT/check-smollm2.log" 2>&1
     grep CASE_RESULT "$OUT/check-smollm2.log" | cut -c1-2000 > "$OUT/check-compiled-smollm2-h200.json"
     tail -c 3000 "$OUT/check-smollm2.log"
-    timeout 160 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
-      --prefill-tokens 2048 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --time-budget-s 150 \
+    timeout 120 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
+      --prefill-tokens 2048 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --time-budget-s 100 \
       --out "$OUT" --name e2e-h200-smollm2 > "$OUT/e2e-smollm2.log" 2>&1; tail -12 "$OUT/e2e-smollm2.log" ;;
   train70)  # issue 5: capacity 0.7 (WIDE, SkipGPT, static, each with stage 2) and WIDE stage 2 with joint routers
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh --capacities 0.7 --deadline 520 \
