@@ -183,6 +183,28 @@ def test_router_stats_and_report(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_merge_runs_keeps_first_record_and_lists_repeats():
+    def rec(method, stage, cap, acc, **kw):
+        return {"method": method, "stage": stage, "capacity_target": cap, "capacity_measured": cap,
+                "wikitext2_ppl": 10.0, "tasks": {t: {"acc": acc, "acc_norm": acc} for t in tasks.TASKS}, **kw}
+
+    run1 = {"command": "run one", "date": "d1", "gpu": "g", "records": [rec("dense", 0, 1.0, 0.6),
+                                                                        rec("wide", 1, 0.5, 0.54)]}
+    run2 = {"command": "run two", "date": "d2", "records": [rec("dense", 0, 1.0, 0.61), rec("wide", 1, 0.7, 0.57),
+                                                            rec("wide", 2, 0.7, 0.58, variant="joint routers")],
+            "router_stats": {"wide c70": {"x": 1}}}
+    m = report.merge_runs([run1, run2])
+    keys = [report.record_key(r) for r in m["records"]]
+    assert keys == [("dense", 0, 1.0, ""), ("wide", 1, 0.5, ""), ("wide", 1, 0.7, ""), ("wide", 2, 0.7, "joint routers")]
+    assert [r["command"] for r in m["records"]] == ["run one", "run one", "run two", "run two"]
+    assert m["records"][0]["tasks"]["piqa"]["acc"] == 0.6  # the first dense record is kept
+    assert len(m["repeats"]) == 1 and m["repeats"][0]["avg_acc"] == pytest.approx(0.61)
+    assert m["records"][2]["retention_acc"] == pytest.approx(0.57 / 0.6)  # against the kept dense
+    assert m["router_stats"] == {"wide c70": {"x": 1}} and [r["command"] for r in m["runs"]] == ["run one", "run two"]
+    with pytest.raises(ValueError):
+        report.merge_runs([])
+
+
 def test_token_kinds():
     class Tok:
         def convert_ids_to_tokens(self, t):

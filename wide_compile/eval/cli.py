@@ -107,3 +107,25 @@ def report(argv):
     a = ap.parse_args(argv)
     print(write_report(a.results, a.md, a.png))
     return 0
+
+
+def merge(argv):
+    from .report import markdown_table, merge_runs, plot_stats
+
+    ap = argparse.ArgumentParser(prog="python -m wide_compile.eval merge",
+                                 description="merge pipeline results files (first record per key wins; "
+                                             "later ones are kept as repeats)")
+    ap.add_argument("inputs", nargs="+", help="accuracy-smollm2.json files, oldest first")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--png", default=None)
+    a = ap.parse_args(argv)
+    merged = merge_runs([json.loads(Path(p).read_text()) for p in a.inputs])
+    Path(a.out).write_text(json.dumps(merged, indent=1))
+    md = markdown_table(merged["records"])
+    if a.md:
+        Path(a.md).write_text(md)
+    if a.png and merged["router_stats"]:
+        plot_stats(merged["router_stats"], a.png)
+    print(md)
+    return 0

@@ -242,7 +242,7 @@ def main(argv=None):
     est["eval"] = time.time() - t0
     caps = [float(c) for c in a.capacities.split(",") if c]
     methods = [m for m in a.methods.split(",") if m]
-    s1 = {}
+    s1, s1_extra = {}, {}
     for cap in caps:
         tag = f"c{int(round(cap * 100))}"
         # stage 1 / baselines at this capacity
@@ -272,14 +272,16 @@ def main(argv=None):
                     cfg.head_group_size, cfg.ffn_group_size = s.head_group_size, s.ffn_group_size
                 r = train_stage1(model, blocks, cfg, out_dir=work / name, log=log, progress=False)
                 est["s1_step"] = max(0.01, (time.time() - t0 - 5) / a.s1_steps)
-                h = r.train_history[-1]
-                extra = {"train_final": {k: h[k] for k in ("kd", "lm", "cap")}}
+                # a run resumed from its final checkpoint trains no step, so it has no history of its own
+                h = r.train_history[-1] if r.train_history else None
+                extra = {"train_final": {k: h[k] for k in ("kd", "lm", "cap")}} if h else {"resumed": True}
             held = deterministic_capacity(model, r, calib)
             extra["capacity_heldout"] = held["overall"]
             extra["train_s"] = round(time.time() - t0, 1)
             r.name = f"smollm2-135m-{tag}" if method == "wide" else f"{method}-smollm2-135m-{tag}"
             r.save(art / f"{method}-{tag}-s1.safetensors")
             s1[(method, cap)] = r
+            s1_extra[(method, cap)] = extra  # stage 2 on these routers/groups carries the same variant
             log(f"{name}: trained/built in {extra['train_s']}s, held-out capacity {held['overall']:.4f}")
             evaluate(model, method, 1, cap, r, **extra)
             if method != "static":
@@ -306,8 +308,10 @@ def main(argv=None):
                 calibrate_offset_(merged, r2, calib, cap, log=log)
                 r2.save(art / f"{method}-{tag}-s2.safetensors")
             held = deterministic_capacity(merged, r2, calib)
+            same = {k: v for k, v in s1_extra.get((method, cap), {}).items() if k in ("variant", "static_capacity")}
+            final = {"train_final": {"kd": merged.train_history[-1]["kd"]}} if merged.train_history else {"resumed": True}
             evaluate(merged, method, 2, cap, r2, train_s=round(time.time() - t0, 1),
-                     capacity_heldout=held["overall"], train_final={"kd": merged.train_history[-1]["kd"]})
+                     capacity_heldout=held["overall"], **final, **same)
             del merged
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

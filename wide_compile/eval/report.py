@@ -205,3 +205,46 @@ def write_report(results_path, md_path=None, png_path=None) -> str:
     if png_path and res.get("router_stats"):
         plot_stats(res["router_stats"], png_path)
     return md
+
+
+RUN_KEYS = ("command", "date", "gpu", "versions")
+
+
+def record_key(r: dict) -> tuple:
+    return (r["method"], r["stage"], round(float(r["capacity_target"]), 3), r.get("variant") or "")
+
+
+def merge_runs(results: list[dict]) -> dict:
+    """One results file from several pipeline runs (each a results dict as the pipeline writes it).
+
+    Every record is stamped with its own run's command, date, GPU and versions (a merged file has no
+    single command). The first record of each (method, stage, capacity, variant) is kept; a later one is
+    listed under `repeats` with its average accuracy, so run-to-run noise stays visible instead of being
+    silently replaced. Router statistics are merged by name (later runs win)."""
+    if not results:
+        raise ValueError("merge_runs: no results to merge")
+    out: dict = {"records": [], "repeats": [], "router_stats": {}, "runs": []}
+    seen: dict = {}
+    for i, res in enumerate(results):
+        run = {k: res[k] for k in RUN_KEYS if k in res}
+        run.update({k: res[k] for k in ("protocol", "skipped", "timings", "notes") if k in res})
+        out["runs"].append(run)
+        for r in res.get("records", []):
+            r = dict(r)
+            for k in RUN_KEYS:
+                if k not in r and k in res:
+                    r[k] = res[k]
+            key = record_key(r)
+            if key in seen:
+                add_retention([r] + [x for x in out["records"] if x["method"] == "dense"][:1])
+                out["repeats"].append({"key": list(key), "run": i, "avg_acc": _avg(r, "acc"),
+                                       "kept_avg_acc": _avg(seen[key], "acc"),
+                                       "wikitext2_ppl": r.get("wikitext2_ppl"),
+                                       "kept_wikitext2_ppl": seen[key].get("wikitext2_ppl"),
+                                       "command": r.get("command"), "date": r.get("date")})
+                continue
+            seen[key] = r
+            out["records"].append(r)
+        out["router_stats"].update(res.get("router_stats") or {})
+    add_retention(out["records"])
+    return out

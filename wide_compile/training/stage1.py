@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,15 @@ def _save_opt(opt: torch.optim.Optimizer, path: Path, step: int) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
+def _previous_history(out_dir, name: str) -> list:
+    """The loss history a resumed run's earlier part wrote (its last 50 steps), so a run resumed at
+    its final step still reports how it ended; [] when the earlier part stopped before writing it."""
+    f = Path(out_dir) / name if out_dir else None
+    if f is None or not f.is_file():
+        return []
+    return list(json.loads(f.read_text()).get("history", []))
+
+
 def _load_opt(opt: torch.optim.Optimizer, path: Path) -> int:
     from safetensors import safe_open
 
@@ -223,11 +233,13 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
         log(f"resumed stage 1 from {ck} at step {start}")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.steps)))))
-    for _ in range(start):
-        sched.step()
+    with warnings.catch_warnings():  # fast-forwarding a resumed schedule: no optimizer step is due here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start):
+            sched.step()
     cost = FlopCost.from_routers(routers)
     attach(model, routers)
-    hist = []
+    hist = _previous_history(out_dir, 'stage1.json') if start else []
     t0 = time.time()
     it = blocks.batches(cfg.batch_size, cfg.steps, seed=cfg.seed, start=start)
     bar = tqdm(range(start, cfg.steps), desc=f"stage1 c={cfg.capacity}", disable=not progress, mininterval=5)
