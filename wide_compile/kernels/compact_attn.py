@@ -21,7 +21,7 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
     T, D = x.shape
     Nq = w_q.shape[0]
     G = Nq // group_cols
-    cfg = kernel_config(T, D, Nq, group_cols, Nq, config)
+    cfg = kernel_config(T, D, Nq, group_cols, Nq, config, elem_size=x.element_size(), device=x.device)
     x = x.contiguous()
     mask8 = _as_uint8(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
@@ -36,10 +36,12 @@ def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, 
     T, Nq = a.shape
     D = w_o_t.shape[1]
     G = Nq // group_rows
-    cfg = kernel_config(T, D, Nq, group_rows, D, config)
+    cfg = kernel_config(T, D, Nq, group_rows, D, config, elem_size=a.element_size(), device=a.device)
     a = a.contiguous()
     if cfg.get("down") == "dense":  # prefill: mask the input columns, one cuBLAS GEMM (see notes)
-        am = torch.where(mask.repeat_interleave(group_rows, dim=1), a, torch.zeros((), dtype=a.dtype, device=a.device))
+        # a [T, G, rows] view masked by a broadcast mask [T, G, 1]: no [T, Nq] mask is materialised
+        am = torch.where(mask.unsqueeze(-1), a.view(T, G, group_rows),
+                         torch.zeros((), dtype=a.dtype, device=a.device)).view(T, Nq)
         return torch.mm(am, w_o_t) if b_o is None else torch.addmm(b_o, am, w_o_t)
     mask8 = _as_uint8(mask)
     return kskip(a, w_o_t, b_o, mask8, G, group_rows, cfg, a.dtype, wrap)

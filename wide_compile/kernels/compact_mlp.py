@@ -19,6 +19,7 @@ Two generic Triton kernels, shared with the attention projections (compact_attn.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -181,10 +182,57 @@ def _interpret():
 DECODE_T = 16
 
 
-def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides: Optional[dict] = None) -> dict:
-    """default_config with the caller's `overrides` (tests, tuning sweeps) applied on top."""
+def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides: Optional[dict] = None,
+                  elem_size: int = 2, device=None) -> dict:
+    """default_config fitted to the device's shared memory for this element size, with the caller's
+    `overrides` (tests, tuning sweeps) applied on top unchanged."""
     cfg = default_config(T, D, F, group_size, N_out)
+    if not _interpret():
+        cfg = fit_shared_memory(cfg, elem_size, shared_memory_bytes(device))
     cfg.update(overrides or {})
+    return cfg
+
+
+# H100/H200 opt-in shared memory per block; used when the device cannot be asked.
+SMEM_FALLBACK = 232448
+
+
+def shared_memory_bytes(device=None) -> int:
+    dev = torch.device(device) if device is not None else None
+    if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda"):
+        return SMEM_FALLBACK
+    return _cuda_smem(dev.index if dev is not None and dev.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_smem(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_FALLBACK)
+
+
+def stage_bytes(cfg: dict, elem_size: int) -> tuple[int, int]:
+    """Shared memory one pipeline stage of each kernel holds: the gather GEMM stages an x tile and a gate
+    and an up weight tile, the K-skip GEMM an a tile and a weight tile."""
+    up = (cfg["up_bm"] * cfg["up_bk"] + 2 * cfg["up_bn"] * cfg["up_bk"]) * elem_size
+    dn = (cfg["dn_bm"] * cfg["dn_bk"] + cfg["dn_bk"] * cfg["dn_bn"]) * elem_size
+    return up, dn
+
+
+def fit_shared_memory(cfg: dict, elem_size: int, limit: int) -> dict:
+    """Cut pipeline stages (to 2), then K tiles, until stages x stage bytes fits `limit`.
+
+    The tiles are tuned for bf16 on the H200; the same tiles in fp32 need twice the shared memory, and a
+    kernel over the limit fails to compile (seen on the H200: fp32 SmolLM2, the decode gather GEMM with
+    BK = 256 and 4 stages needed 245760 B of 232448). Triton keeps about stages - 1 stages resident, so
+    stages x stage bytes is a safe bound; the bf16 configs already fit and come back unchanged."""
+    cfg = dict(cfg)
+    for side, (bk, st) in (("up", ("up_bk", "up_stages")), ("dn", ("dn_bk", "dn_stages"))):
+        def need():
+            return stage_bytes(cfg, elem_size)[0 if side == "up" else 1] * max(1, cfg[st])
+        while need() > limit and cfg[st] > 2:
+            cfg[st] -= 1
+        while need() > limit and cfg[bk] > 16:
+            cfg[bk] //= 2
     return cfg
 
 
@@ -259,7 +307,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     T, D = x.shape
     F = w_gate.shape[0]
     G = F // group_size
-    cfg = kernel_config(T, D, F, group_size, D, config)
+    cfg = kernel_config(T, D, F, group_size, D, config, elem_size=x.element_size(), device=x.device)
     x = x.contiguous()
     mask8 = _as_uint8(mask)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F

@@ -1,0 +1,53 @@
+"""Kernel tile configs against the device's shared memory (no GPU needed: the fit is arithmetic)."""
+import pytest
+
+from wide_compile.kernels import compact_mlp as cm
+
+H200_SMEM = 232448
+SHAPES = {  # (D, F, group_size, N_out) of the MLP, q_proj and o_proj calls at 8B and SmolLM2 sizes
+    "8b-mlp": (4096, 14336, 64, 4096), "8b-q": (4096, 4096, 128, 4096), "8b-o": (4096, 4096, 128, 4096),
+    "smol-mlp": (576, 1536, 64, 576), "smol-q": (576, 576, 64, 576), "smol-o": (576, 576, 64, 576),
+}
+TS = (1, 4, 16, 17, 128, 300, 2048, 8192)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_configs(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU configs, not the interpreter's small ones
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("T", TS)
+def test_bf16_configs_fit_and_are_left_as_tuned(shape, T):
+    cfg = cm.default_config(T, *SHAPES[shape])
+    up, dn = cm.stage_bytes(cfg, 2)
+    assert up * cfg["up_stages"] <= H200_SMEM and dn * cfg["dn_stages"] <= H200_SMEM
+    assert cm.fit_shared_memory(cfg, 2, H200_SMEM) == cfg
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("limit", [H200_SMEM, 166912, 101376])  # H100/H200, A100, consumer Ampere/Ada
+def test_fp32_configs_are_cut_to_fit(shape, T, limit):
+    cfg = cm.default_config(T, *SHAPES[shape])
+    fit = cm.fit_shared_memory(cfg, 4, limit)
+    up, dn = cm.stage_bytes(fit, 4)
+    assert up * fit["up_stages"] <= limit and dn * fit["dn_stages"] <= limit
+    # only stages and K tiles change; the output tiling (and so the launch grid) stays as tuned
+    assert {k: v for k, v in fit.items() if k not in ("up_stages", "up_bk", "dn_stages", "dn_bk")} == \
+        {k: v for k, v in cfg.items() if k not in ("up_stages", "up_bk", "dn_stages", "dn_bk")}
+    assert fit["up_stages"] >= 2 or cfg["up_stages"] < 2
+
+
+def test_fp32_decode_gather_config_that_failed_on_the_h200_is_fixed():
+    # SmolLM2 fp32 on the H200: BK=256, 4 stages of (16x256 + 2x32x256) fp32 = 4 x 81920 B > 232448
+    cfg = cm.default_config(1, 576, 1536, 64, 576)
+    assert cm.stage_bytes(cfg, 4)[0] * cfg["up_stages"] > H200_SMEM
+    fit = cm.fit_shared_memory(cfg, 4, H200_SMEM)
+    assert fit["up_bk"] == cfg["up_bk"] and fit["up_stages"] == 2
+
+
+def test_kernel_config_applies_overrides_after_the_fit():
+    cfg = cm.kernel_config(1, 576, 1536, 64, 576, {"up_stages": 5}, elem_size=4)
+    assert cfg["up_stages"] == 5  # an explicit sweep config is never rewritten
+    assert cm.kernel_config(1, 576, 1536, 64, 576, elem_size=4)["up_stages"] == 2
