@@ -111,6 +111,8 @@ def main(argv=None):
     ap.add_argument("--static-at-wide-capacity", action="store_true",
                     help="build the static baseline at the FLOP capacity WIDE stage 1 actually spent on the task "
                          "prompts (so the two are compared at equal measured FLOPs), not at the nominal target")
+    ap.add_argument("--baselines-at-wide-capacity", action="store_true",
+                    help="like --static-at-wide-capacity, and also train SkipGPT's routers to that capacity")
     ap.add_argument("--no-stage2", action="store_true")
     ap.add_argument("--s2-recalibrate", action="store_true",
                     help="after stage 2, re-fit the routers' global offset on the LoRA-merged model so the "
@@ -247,34 +249,38 @@ def main(argv=None):
         tag = f"c{int(round(cap * 100))}"
         # stage 1 / baselines at this capacity
         for method in methods:
-            name = f"{method}-{tag}-s1"
+            # a baseline's capacity: the nominal target, or what WIDE stage 1 spent on the task prompts
+            wide_rec = next((x for x in results["records"] if x["method"] == "wide" and x["stage"] == 1
+                             and x["capacity_target"] == cap), None)
+            at_wide = (a.baselines_at_wide_capacity or (a.static_at_wide_capacity and method == "static"))
+            b_cap = cap
+            if method != "wide" and at_wide and wide_rec and wide_rec.get("capacity_measured"):
+                b_cap = round(float(wide_rec["capacity_measured"]), 4)
+            variant = {}
+            if b_cap != cap:
+                variant = {f"{method}_capacity": b_cap,
+                           "variant": f"{method} at WIDE stage 1's measured task-prompt capacity"}
+            name = f"{method}-{tag}-s1" + ("-atwide" if variant else "")  # its own work folder (resume)
             need = est["eval"] + (a.s1_steps * est["s1_step"] + 10 if method != "static" else 10)
             if not fits(name, need):
                 continue
             t0 = time.time()
             if method == "static":
-                wide_rec = next((x for x in results["records"] if x["method"] == "wide" and x["stage"] == 1
-                                 and x["capacity_target"] == cap), None)
-                st_cap = cap
-                if a.static_at_wide_capacity and wide_rec and wide_rec.get("capacity_measured"):
-                    st_cap = round(float(wide_rec["capacity_measured"]), 4)
-                r = baselines.static_pruning(model, calib, st_cap, allocation="best", eval_blocks=calib[:8], log=log)
-                extra = {"allocation": r.allocation}
-                if st_cap != cap:
-                    extra["static_capacity"] = st_cap
-                    extra["variant"] = "static at WIDE stage 1's measured task-prompt capacity"
+                r = baselines.static_pruning(model, calib, b_cap, allocation="best", eval_blocks=calib[:8], log=log)
+                extra = {"allocation": r.allocation, **variant}
             else:
-                cfg = Stage1Config(capacity=cap, steps=a.s1_steps, batch_size=a.batch_size, seq_len=a.seq_len,
+                cfg = Stage1Config(capacity=b_cap, steps=a.s1_steps, batch_size=a.batch_size, seq_len=a.seq_len,
                                    lr=a.s1_lr, cap_weight=a.cap_weight, lm_weight=a.lm_weight, seed=a.seed,
                                    ckpt_every=max(50, a.s1_steps // 4), calib_blocks=len(calib))
                 if method == "skipgpt":
-                    s = baselines.skipgpt_config(model, cap)
+                    s = baselines.skipgpt_config(model, b_cap)
                     cfg.head_group_size, cfg.ffn_group_size = s.head_group_size, s.ffn_group_size
                 r = train_stage1(model, blocks, cfg, out_dir=work / name, log=log, progress=False)
                 est["s1_step"] = max(0.01, (time.time() - t0 - 5) / a.s1_steps)
                 # a run resumed from its final checkpoint trains no step, so it has no history of its own
                 h = r.train_history[-1] if r.train_history else None
                 extra = {"train_final": {k: h[k] for k in ("kd", "lm", "cap")}} if h else {"resumed": True}
+                extra.update(variant)
             held = deterministic_capacity(model, r, calib)
             extra["capacity_heldout"] = held["overall"]
             extra["train_s"] = round(time.time() - t0, 1)
@@ -292,7 +298,7 @@ def main(argv=None):
         if a.no_stage2:
             continue
         for method in methods:
-            name = f"{method}-{tag}-s2"
+            name = f"{method}-{tag}-s2" + ("-atwide" if s1_extra.get((method, cap), {}).get("variant") else "")
             if (method, cap) not in s1 or not fits(name, est["eval"] + a.s2_steps * est["s2_step"] + 10):
                 continue
             t0 = time.time()
@@ -308,7 +314,7 @@ def main(argv=None):
                 calibrate_offset_(merged, r2, calib, cap, log=log)
                 r2.save(art / f"{method}-{tag}-s2.safetensors")
             held = deterministic_capacity(merged, r2, calib)
-            same = {k: v for k, v in s1_extra.get((method, cap), {}).items() if k in ("variant", "static_capacity")}
+            same = {k: v for k, v in s1_extra.get((method, cap), {}).items() if k == "variant" or k.endswith("_capacity")}
             final = {"train_final": {"kd": merged.train_history[-1]["kd"]}} if merged.train_history else {"resumed": True}
             evaluate(merged, method, 2, cap, r2, train_s=round(time.time() - t0, 1),
                      capacity_heldout=held["overall"], **final, **same)
