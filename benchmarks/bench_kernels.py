@@ -18,6 +18,9 @@ probability p = X, i.e. it differs from the base with probability 2 p d (1-d)
 on-rates logit-normal with the measured spread, logits = sqrt(rho) * (rank-2 latent shared across
 groups) + sqrt(1 - rho) * noise, rho fitted so the masks reach the measured tile coherence; tokens are
 exchangeable (no token-order effects) and thresholds are analytic, so any T has the same statistics.
+"trained": the masks the shipped SmolLM2 routers emitted on the first 8192 WikiText-2 test tokens
+(benchmarks/record_router_masks.py -> benchmarks/data/), first T tokens of the layer whose on-rate is
+closest to the density; only for shapes with the same group counts (SmolLM2's), skipped elsewhere.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from wide_compile.kernels import reference as R  # noqa: E402
 from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
 
 CORR_PS = (0.1, 0.01)
-MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS) + ("fitted",)
+MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS) + ("fitted", "trained")
 
 
 def mask_label(kind: str) -> str:
@@ -101,6 +104,9 @@ def fit_fitted_rho(G, density):
 
 def mask_model_name(kind, G, density):
     """`mask_model` of a record: the kind, with the fitted rho and the tile coherence it reaches."""
+    if kind == "trained":
+        _, layer, rate = trained_mask(1, G, density)
+        return f"trained({_TRAINED['m']['meta']['routers']}, layer {layer}, on-rate {rate} on WikiText-2 test text)"
     if kind != "fitted":
         return kind
     from benchmarks.e2e.masks import DEFAULT_STATS, tile_coherence
@@ -111,7 +117,33 @@ def mask_model_name(kind, G, density):
             "smollm2-135m-c50)")
 
 
+_TRAINED: dict = {}
+
+
+def trained_mask(T, G, density):
+    """(mask [T, G], layer, on-rate) from the recorded SmolLM2 router masks, or None when no recorded
+    mask kind has G groups or fewer than T tokens were recorded."""
+    if "m" not in _TRAINED:
+        from benchmarks.record_router_masks import DEFAULT_OUT, load_masks
+
+        _TRAINED["m"] = load_masks(DEFAULT_OUT) if DEFAULT_OUT.is_file() else None
+    rec = _TRAINED["m"]
+    if rec is None or T > rec["meta"]["tokens"]:
+        return None
+    kind = next((k for k, g in rec["meta"]["groups"].items() if g == G), None)
+    if kind is None:
+        return None
+    rates = rec["meta"]["on_rate"][kind]
+    layer = min(range(len(rates)), key=lambda i: abs(rates[i] - density))
+    return rec[kind][layer][:T].to(DEV), layer, rates[layer]
+
+
 def make_mask(T, G, density, kind, gen):
+    if kind == "trained":
+        got = trained_mask(T, G, density)
+        if got is None:
+            raise LookupError(f"no recorded router masks with {G} groups and {T} tokens")
+        return got[0]
     if kind == "fitted":
         return fitted_mask(T, G, density, gen)
     if kind == "random":
@@ -246,6 +278,8 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                     "attn_o": graph_time(lambda: F.linear(as_, wos)),
                 }
                 for kind in kinds:
+                    if kind == "trained" and (trained_mask(T, G, d) is None or trained_mask(T, Ga, d) is None):
+                        continue  # recorded router masks exist for SmolLM2's group counts only
                     m = make_mask(T, G, d, kind, gen)
                     ma = make_mask(T, Ga, d, kind, gen)
                     t_wide = {
@@ -271,6 +305,7 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                         f"wide {t_wide['mlp']:.4f} ({t_dense['mlp']/t_wide['mlp']:.2f}x) | q {t_dense['attn_q']/t_wide['attn_q']:.2f}x "
                         f"o {t_dense['attn_o']/t_wide['attn_o']:.2f}x | reorder {t_re*1e3:.1f}us")
     var = []
+    vkinds = [k for k in kinds if k != "trained"]  # the sweeps run at the 8B shape (no recorded masks)
     if variants:
         from wide_compile.kernels.compact_mlp import default_config, ngather, kskip
         spec = next(iter(MODELS.values()))
@@ -280,7 +315,7 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
             x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
             h = torch.randn(T, spec["F"], device=DEV, generator=gen).to(DT)
             wd = W["wd_t"].t().contiguous()
-            for kind in kinds:
+            for kind in vkinds:
                 m = make_mask(T, G, 0.5, kind, gen)
                 m8 = m.view(torch.uint8)
                 cfg = default_config(T, spec["D"], spec["F"], gs, spec["D"])
@@ -297,7 +332,7 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
         G = spec["F"] // spec["gs"]
         for T, cfgs in variants.items():
             x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
-            for kind in kinds:
+            for kind in vkinds:
                 m = make_mask(T, G, 0.5, kind, gen)
                 for cfg in cfgs:
                     try:

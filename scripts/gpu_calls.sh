@@ -3,10 +3,11 @@
 # and the 64 MiB carry limit (shared/DEVICE.md). Run from the repo root on the GPU machine.
 #
 # Next session (30 min of device time; calls back to back, the machine goes back 30 s after a call):
-#   call 1  carry [".gguf/p1", ".whl", ".data/eval"]  bash scripts/gpu_calls.sh setup1 check_rest kernels_sweep (~8 min)
+#   call 1  carry [".gguf/p1", ".whl", ".data/eval"]  bash scripts/gpu_calls.sh setup1 check_rest kernels (~8 min)
 #   call 2  carry [".gguf/p2"]                         bash scripts/gpu_calls.sh setup2 smollm2            (~9 min)
 #   call 3  carry [".data/tok"]                        bash scripts/gpu_calls.sh train50                   (~9 min)
 # A session after that (nothing carried):           bash scripts/gpu_calls.sh e2e_table (resumable; repeat)
+#                                                    bash scripts/gpu_calls.sh kernels_sweep verify
 #
 # Done on 2026-12-02 (second session): setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Calls 2 and 3 need the files
@@ -65,8 +66,9 @@ step() {
   e2e_table)  # issue 6: the rest of the table (8B/3B/SmolLM2 shapes at 4 layers), resumable in pieces
     cp benchmarks/results/e2e-h200.json "$OUT"/ 2>/dev/null
     timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --resume --out "$OUT" ;;
-  kernels)  # issue 3: the kernel table again (post-fix code) with masks fitted to the trained routers
-    timeout 560 python3 benchmarks/bench_kernels.py --out "$OUT/kernels-h200.json" ;;
+  kernels)  # issue 3: the kernel table in one run with random, fitted and recorded trained-router masks
+    timeout 200 python3 benchmarks/bench_kernels.py --masks random fitted trained --time-budget-s 170 \
+      --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -30 "$OUT/kernels.log" ;;
   kernels_sweep)  # decode K-skip with wide weight tiles, and the other config sweeps (density 0.5)
     timeout 250 python3 benchmarks/bench_kernels.py --quick --variants --masks random fitted --time-budget-s 60 \
       --out "$OUT/kernels-sweep-h200.json" > "$OUT/kernels-sweep.log" 2>&1; tail -30 "$OUT/kernels-sweep.log" ;;

@@ -41,3 +41,31 @@ def test_rho_controls_tile_coherence(bench):
     high = tile_coherence(bench.fitted_mask(1024, 24, 0.5, g, rho=1.0))
     assert low < 0.15 < 0.6 < high
     assert bench.fit_fitted_rho(24, 0.5) in (0.9, 0.95, 0.98, 0.99, 1.0)
+
+
+def test_recorded_router_masks_round_trip(tmp_path):
+    from benchmarks.record_router_masks import pack, unpack
+
+    m = torch.rand(37, 24) < 0.3  # a token count that is not a multiple of 8
+    p = pack(m)
+    assert p.dtype == torch.uint8 and p.shape == (5, 24)
+    assert torch.equal(unpack(p, 37), m)
+
+
+def test_trained_masks_come_from_the_recorded_file(bench):
+    from benchmarks.record_router_masks import DEFAULT_OUT, load_masks
+
+    rec = load_masks(DEFAULT_OUT)  # committed: benchmarks/data/, written by record_router_masks.py
+    meta = rec["meta"]
+    assert meta["groups"] == {"attn": 9, "ffn": 24} and meta["tokens"] == 8192 and len(rec["ffn"]) == meta["layers"]
+    for i, m in enumerate(rec["ffn"]):  # the stored on-rates describe the stored bits
+        assert m.shape == (8192, 24) and abs(m.float().mean().item() - meta["on_rate"]["ffn"][i]) < 1e-3
+    for d in (0.25, 0.5, 0.75):
+        m, layer, rate = bench.trained_mask(2048, 24, d)
+        assert m.shape == (2048, 24) and torch.equal(m, rec["ffn"][layer][:2048])
+        assert all(abs(rate - d) <= abs(r - d) for r in meta["on_rate"]["ffn"])  # the closest layer
+        assert bench.mask_model_name("trained", 24, d).startswith(f"trained(smollm2-135m-c50, layer {layer},")
+    assert bench.trained_mask(16, 224, 0.5) is None  # 8B group count: no recorded masks
+    assert bench.trained_mask(8193, 24, 0.5) is None  # more tokens than recorded
+    with pytest.raises(LookupError):
+        bench.make_mask(4, 224, 0.5, "trained", None)

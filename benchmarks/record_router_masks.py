@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Record the masks the shipped SmolLM2 routers emit on real text, for the kernel benchmark's "trained" masks.
+
+    python benchmarks/record_router_masks.py [--routers smollm2-135m-c50] [--tokens 8192] [--window 2048]
+        [--data ../shared/data] [--out benchmarks/data/smollm2-c50-router-masks.safetensors]
+
+SmolLM2-135M-Instruct (fp32, CPU is fine) with the routers attached reads the first `--tokens` tokens of
+the WikiText-2 test text in windows of `--window`; for every layer the attention mask [T, 9 head groups]
+and the FFN mask [T, 24 channel groups] are stored bit-packed along the token axis (np.packbits), with the
+per-layer on-rates, the command and the date in the metadata. `bench_kernels.py --masks trained` times the
+SmolLM2-shape kernels on these masks: for a density d it takes the layer whose on-rate is closest to d.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "smollm2-c50-router-masks.safetensors"
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, G] -> uint8 [ceil(T / 8), G], bits packed along the token axis."""
+    return torch.from_numpy(np.packbits(mask.cpu().numpy().astype(np.uint8), axis=0))
+
+
+def unpack(packed: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(packed.numpy(), axis=0, count=T).astype(bool))
+
+
+def load_masks(path=DEFAULT_OUT) -> dict:
+    """{"attn": [bool [T, G_attn] per layer], "ffn": [...], "meta": {...}} from a file this script wrote."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["wide"])
+        T = meta["tokens"]
+        return {k: [unpack(f.get_tensor(f"{k}.{i}"), T) for i in range(meta["layers"])] for k in ("attn", "ffn")} | {
+            "meta": meta}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--routers", default="smollm2-135m-c50")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--data", default=None, help="../shared/data (its wikitext-2/wiki.test.raw)")
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+
+    import wide_compile as wc
+    from safetensors.torch import save_file
+    from wide_compile.models import load_smollm2
+    from wide_compile.routing import record_masks, routed
+    from wide_compile.training.data import default_data_root
+
+    data = Path(a.data) if a.data else default_data_root()
+    if data is None or not (data / "wikitext-2" / "wiki.test.raw").is_file():
+        raise SystemExit("record_router_masks: needs --data with wikitext-2/wiki.test.raw (../shared/data)")
+    model, tok = load_smollm2(dtype=torch.float32, device="cpu", gguf_path=a.gguf)
+    routers = wc.Routers.pretrained(a.routers, model)
+    ids = tok((data / "wikitext-2" / "wiki.test.raw").read_text(), return_tensors="pt").input_ids[0]
+    if ids.numel() < a.tokens:
+        raise SystemExit(f"record_router_masks: the text has {ids.numel()} tokens, fewer than --tokens {a.tokens}")
+    ids = ids[: a.tokens]
+    t0 = time.time()
+    with routed(model, routers), record_masks(model) as rec, torch.no_grad():
+        for s in range(0, a.tokens, a.window):
+            model(ids[s: s + a.window][None])
+    masks = {k: [torch.cat([m.reshape(-1, m.shape[-1]) for m in rec[k][i]]).bool() for i in range(len(rec[k]))]
+             for k in ("attn", "ffn")}
+    L = len(masks["ffn"])
+    meta = {"routers": a.routers, "tokens": a.tokens, "window": a.window, "layers": L,
+            "text": "wikitext-2/wiki.test.raw, first tokens", "groups": {k: masks[k][0].shape[1] for k in masks},
+            "on_rate": {k: [round(m.float().mean().item(), 4) for m in masks[k]] for k in masks},
+            "command": "python benchmarks/record_router_masks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
+    tensors = {f"{k}.{i}": pack(masks[k][i]) for k in masks for i in range(L)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, a.out, metadata={"wide": json.dumps(meta)})
+    print(json.dumps({k: v for k, v in meta.items() if k != "on_rate"}))
+    print("on-rates (ffn):", meta["on_rate"]["ffn"])
+    print("on-rates (attn):", meta["on_rate"]["attn"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
