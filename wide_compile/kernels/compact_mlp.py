@@ -218,20 +218,25 @@ def stage_bytes(cfg: dict, elem_size: int) -> tuple[int, int]:
     return up, dn
 
 
+def shared_memory_need(cfg: dict, elem_size: int) -> tuple[int, int]:
+    """Shared memory the gather and the K-skip kernel need with this config: Triton keeps num_stages - 1
+    stages of the software pipeline resident (checked against the compiler: tests/test_kernel_aot_sm90.py,
+    where the fp32 decode gather at 4 stages needs 3 x 81920 = 245760 B, the figure the H200 reported)."""
+    up, dn = stage_bytes(cfg, elem_size)
+    return up * max(1, cfg["up_stages"] - 1), dn * max(1, cfg["dn_stages"] - 1)
+
+
 def fit_shared_memory(cfg: dict, elem_size: int, limit: int) -> dict:
-    """Cut pipeline stages (to 2), then K tiles, until stages x stage bytes fits `limit`.
+    """Cut pipeline stages (to 2), then K tiles, until each kernel's shared memory fits `limit`.
 
     The tiles are tuned for bf16 on the H200; the same tiles in fp32 need twice the shared memory, and a
     kernel over the limit fails to compile (seen on the H200: fp32 SmolLM2, the decode gather GEMM with
-    BK = 256 and 4 stages needed 245760 B of 232448). Triton keeps about stages - 1 stages resident, so
-    stages x stage bytes is a safe bound; the bf16 configs already fit and come back unchanged."""
+    BK = 256 and 4 stages). The bf16 configs fit and come back unchanged."""
     cfg = dict(cfg)
-    for side, (bk, st) in (("up", ("up_bk", "up_stages")), ("dn", ("dn_bk", "dn_stages"))):
-        def need():
-            return stage_bytes(cfg, elem_size)[0 if side == "up" else 1] * max(1, cfg[st])
-        while need() > limit and cfg[st] > 2:
+    for i, (bk, st) in enumerate((("up_bk", "up_stages"), ("dn_bk", "dn_stages"))):
+        while shared_memory_need(cfg, elem_size)[i] > limit and cfg[st] > 2:
             cfg[st] -= 1
-        while need() > limit and cfg[bk] > 16:
+        while shared_memory_need(cfg, elem_size)[i] > limit and cfg[bk] > 16:
             cfg[bk] //= 2
     return cfg
 
