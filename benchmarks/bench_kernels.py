@@ -216,9 +216,12 @@ def correctness(log):
                         got = torch.ops.wide.mask_reorder(m, bm)
                         exp = R.mask_reorder_ref(m, bm)
                         assert all(torch.equal(g_, e_) for g_, e_ in zip(got, exp)), ("mask_reorder", T, bm)
-                    for cfg in ({"path": "tile"}, {"path": "sorted"}) if T > 16 else ():
+                    cfgs = ({"path": "tile"}, {"path": "sorted"}, {"path": "tile", "lists": "none"}) if T > 16 else \
+                        ({"lists": "none"},)
+                    for cfg in cfgs:
                         o2 = mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=cfg)
-                        errs["mlp_" + cfg["path"]] = rel(o2, R.mlp_ref(x, W["wg"], W["wu"], W["wd_t"], m, gs)) if m.any() else o2.abs().max().item()
+                        key = "mlp_" + "_".join(f"{v}" for v in cfg.values())
+                        errs[key] = rel(o2, R.mlp_ref(x, W["wg"], W["wu"], W["wd_t"], m, gs)) if m.any() else o2.abs().max().item()
                     e = max(errs.values())
                     worst = max(worst, e)
                     if not (e <= 2e-2) or not all(math.isfinite(v) for v in errs.values()):
@@ -355,7 +358,11 @@ VARIANTS = {
        # group's rows, with enough split-K CTAs to cover the GPU (E2E_NOTES.md: _kskip at 2.4 TB/s)
        + [dict(dn_bn=dbn, dn_split=sp, dn_bk=bk, dn_warps=dw)
           for (dbn, sp, bk, dw) in [(128, 32, 32, 4), (128, 64, 32, 4), (256, 32, 16, 4), (256, 64, 32, 8),
-                                    (256, 128, 16, 8), (128, 128, 64, 4)]],
+                                    (256, 128, 16, 8), (128, 128, 64, 4)]]
+       # no reorder launch (E2E_NOTES: _tile_lists_kernel is 3.4 % of a WIDE decode step): the kernels read
+       # the mask themselves, alone and with the wide K-skip tiles
+       + [dict(lists="none"), dict(lists="none", dn_bn=128, dn_split=32, dn_bk=32, dn_warps=4),
+          dict(lists="none", dn_bn=256, dn_split=64, dn_bk=32, dn_warps=8)],
     2048: [dict(path=p, up_bm=bm) for p in ("sorted", "tile") for bm in (64, 128)],
     8192: [dict(group_g=g) for g in (4, 64)] + [dict(group_m=g) for g in (4, 16)]
           + [dict(up_bk=bk, up_warps=w, up_stages=st) for (bk, w, st) in [(64, 8, 4), (128, 8, 3), (32, 4, 5)]]

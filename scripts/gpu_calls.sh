@@ -65,7 +65,8 @@ step() {
       --s1-steps 350 --s2-steps 150 --joint --s2-recalibrate --static-at-wide-capacity ;;
   e2e_table)  # issue 6: the rest of the table (8B/3B/SmolLM2 shapes at 4 layers), resumable in pieces
     cp benchmarks/results/e2e-h200.json "$OUT"/ 2>/dev/null
-    timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --resume --out "$OUT" ;;
+    timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --resume --target-s 0.3 --rounds 3 \
+      --out "$OUT" ;;
   kernels)  # issue 3: the kernel table in one run with random, fitted and recorded trained-router masks
     timeout 200 python3 benchmarks/bench_kernels.py --masks random fitted trained --time-budget-s 170 \
       --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -30 "$OUT/kernels.log" ;;

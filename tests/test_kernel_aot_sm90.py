@@ -47,7 +47,7 @@ def compile_gather(cfg, D_, F_, GS, dt):
             "stride_w": "i32", "stride_o": "i32"}
     consts = dict(G=F_ // GS, GS=GS, BM=cfg["up_bm"], BN=cfg["up_bn"], BK=cfg["up_bk"], SORTED=cfg["path"] == "sorted",
                   GATED=True, HAS_BIAS=False, ZERO_INACTIVE=False, PREC=cm._prec(dt), UPCAST=False,
-                  GROUP_G=cfg["group_g"])
+                  GROUP_G=cfg["group_g"], LISTS=cfg.get("lists", "kernel") != "none")
     return _compile(cm._ngather_kernel, args, consts, cfg["up_warps"], cfg["up_stages"])
 
 
@@ -59,7 +59,8 @@ def compile_kskip(cfg, F_, GS, dt):
             "tg_ptr": "*i32", "tc_ptr": "*i32", "T": "i32", "N": "i32", "stride_a": "i32", "stride_w": "i32",
             "stride_o": "i32"}
     consts = dict(G=F_ // GS, GS=GS, BM=cfg["dn_bm"], BN=cfg["dn_bn"], BK=cfg["dn_bk"], SPLIT=cfg["dn_split"],
-                  HAS_BIAS=False, ATOMIC=atomic, PREC=cm._prec(dt), UPCAST=False, GROUP_M=cfg["group_m"])
+                  HAS_BIAS=False, ATOMIC=atomic, PREC=cm._prec(dt), UPCAST=False, GROUP_M=cfg["group_m"],
+                  LISTS=cfg.get("lists", "kernel") != "none")
     return _compile(cm._kskip_kernel, args, consts, cfg["dn_warps"], cfg["dn_stages"])
 
 
@@ -77,6 +78,11 @@ def measure(cases):
         up = compile_gather(cfg, D_, F_, GS, dt).metadata.shared
         dn = None if cfg.get("down") == "dense" else compile_kskip(cfg, F_, GS, dt).metadata.shared
         out[f"{shape}/{T}/{dts}"] = (up, dn, cfg)
+    for dts in ("bf16", "fp32"):  # the decode kernels without reorder lists (tile path, mask read in-kernel)
+        dt = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dts])
+        cfg = cm.kernel_config(1, 4096, 14336, 64, 4096, {"lists": "none"}, elem_size=dt.itemsize, device="cpu")
+        out[f"no-lists/{dts}"] = (compile_gather(cfg, 4096, 14336, 64, dt).metadata.shared,
+                                  compile_kskip(cfg, 14336, 64, dt).metadata.shared, cfg)
     raw = cm.default_config(1, 576, 1536, 64, 576)
     out["unfitted-fp32-decode"] = (compile_gather(raw, 576, 1536, 64, torch.float32).metadata.shared, None, raw)
     return out
@@ -93,7 +99,7 @@ def measured():
     return json.loads(line[3:])
 
 
-@pytest.mark.parametrize("case", [f"{a}/{b}/{c}" for a, b, c in CASES])
+@pytest.mark.parametrize("case", [f"{a}/{b}/{c}" for a, b, c in CASES] + ["no-lists/bf16", "no-lists/fp32"])
 def test_fitted_configs_fit_the_h200(measured, case):
     up, dn, cfg = measured[case]
     assert up <= 0.95 * H200_SMEM, (case, cfg, up)

@@ -101,6 +101,15 @@ def test_mlp_configs_odd_sizes(cfg):
     mlp_case(T=37, D=27, G=3, gs=48, density=0.5, dtype=torch.float32, config=cfg)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("T,path", [(1, "decode"), (3, "decode"), (16, "decode"), (17, "tile"), (130, "tile")])
+def test_mlp_without_reorder_lists(T, path, density, dtype):
+    # lists="none": the kernels read the mask themselves (no tile-list launch); inactive groups exit or
+    # are predicated off, so the result must equal the reference for every density, all-off included
+    mlp_case(T, D=48, G=5, gs=32, density=density, dtype=dtype, config={"path": path, "lists": "none"}, seed=T)
+
+
 def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     Nq = G * cols
@@ -131,6 +140,13 @@ def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
 @pytest.mark.parametrize("T", [1, 3, 17, 130])
 def test_attn_proj(T, density, dtype):
     attn_case(T, D=40, G=4, cols=32, density=density, dtype=dtype, bias=(T % 2 == 1), seed=T)
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("T", [1, 5, 19])
+def test_attn_proj_without_reorder_lists(T, density):
+    attn_case(T, D=40, G=4, cols=32, density=density, dtype=torch.bfloat16, bias=(T % 2 == 1), seed=T,
+              config={"path": "decode" if T <= 16 else "tile", "lists": "none"})
 
 
 @pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down"])

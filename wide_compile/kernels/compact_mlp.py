@@ -38,7 +38,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    GROUP_G: tl.constexpr):
+                    GROUP_G: tl.constexpr, LISTS: tl.constexpr = True):
     if SORTED:
         # program -> (group g, k-th block of g's token list), swizzled in super-blocks of GROUP_G
         # groups so that concurrent programs share weights (same g) and x rows (same k range).
@@ -61,13 +61,19 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
         m = tl.program_id(0)
         j = tl.program_id(1)
         sub = tl.program_id(2)
-        cnt = tl.load(cnt_ptr + m)
-        if j >= cnt:
-            return
-        g = tl.load(idx_ptr + m * G + j)
         rows = m * BM + tl.arange(0, BM)
         rvalid = rows < T
-        act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        if LISTS:  # program j -> the tile's j-th active group (mask_reorder's tile list)
+            cnt = tl.load(cnt_ptr + m)
+            if j >= cnt:
+                return
+            g = tl.load(idx_ptr + m * G + j)
+            act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        else:  # program j -> group j, gone at once when no token of the tile uses it (no reorder launch)
+            g = j
+            act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+            if tl.max(act.to(tl.int32), axis=0) == 0:
+                return
         if ZERO_INACTIVE:
             smask = rvalid
         else:
@@ -117,7 +123,7 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
                   G: tl.constexpr, GS: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr,
-                  UPCAST: tl.constexpr, GROUP_M: tl.constexpr):
+                  UPCAST: tl.constexpr, GROUP_M: tl.constexpr, LISTS: tl.constexpr = True):
     # grouped (L2-friendly) ordering of the (m, n) tiles: GROUP_M token tiles sweep the n blocks
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -133,19 +139,27 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
     rows64 = rows.to(tl.int64)
     cols = n * BN + tl.arange(0, BN)
     cvalid = cols < N
-    cnt = tl.load(tc_ptr + m)
+    if LISTS:  # the tile's active groups from mask_reorder's tile list
+        n_iter = tl.load(tc_ptr + m)
+    else:  # every group, with the loads of a group no token of the tile uses predicated off (no reorder
+        n_iter = G  # launch; the loop stays branch-free so it still pipelines)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in range(s, cnt, SPLIT):
-        g = tl.load(tg_ptr + m * G + j)
+    for j in range(s, n_iter, SPLIT):
+        if LISTS:
+            g = tl.load(tg_ptr + m * G + j)
+        else:
+            g = j
         act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        n_used = tl.max(act.to(tl.int32), axis=0)  # 1 when any token of the tile uses group g
         for kk in tl.static_range(0, GS, BK):
             kin = kk + tl.arange(0, BK)
             kv = kin < GS
             k = (g * GS + kin).to(tl.int64)
             a = tl.load(a_ptr + rows64[:, None] * stride_a + k[None, :],
                         mask=act[:, None] & kv[None, :], other=0.0)
+            kvu = kv & ((tl.zeros([BK], dtype=tl.int32) + n_used) > 0)
             w = tl.load(w_ptr + k[:, None] * stride_w + cols[None, :],
-                        mask=kv[:, None] & cvalid[None, :], other=0.0)
+                        mask=kvu[:, None] & cvalid[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
@@ -279,12 +293,17 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
-        tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
-        k[(tg.shape[0], G, nsub)](
+        use_lists = cfg.get("lists", "kernel") != "none"
+        if use_lists:
+            tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
+        else:  # no reorder launch: the kernel reads the mask itself (tg/tc are unused placeholders)
+            tg = tc = mask8
+        k[(triton.cdiv(T, bm), G, nsub)](
             x, w1, w2_, b_, out, mask8, tg, tc, tg, tc,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=False, GATED=gated, HAS_BIAS=bias is not None,
-            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], LISTS=use_lists,
+            num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
 
 
 def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
@@ -292,17 +311,22 @@ def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
     T = a.shape[0]
     N = w_t.shape[1]
     bm, bn, bk, split = cfg["dn_bm"], cfg["dn_bn"], cfg["dn_bk"], cfg["dn_split"]
-    tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
+    use_lists = cfg.get("lists", "kernel") != "none"
+    if use_lists:
+        tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
+    else:  # no reorder launch: the kernel visits every group and predicates unused ones off
+        tg = tc = mask8
     atomic = split > 1
     if atomic:
         out = torch.zeros((T, N), dtype=torch.float32, device=a.device)
     else:
         out = alloc((T, N), out_dtype, a.device)
     b_ = bias if bias is not None else w_t
-    _launcher(_kskip_kernel, wrap)[(tg.shape[0] * triton.cdiv(N, bn), split)](
+    _launcher(_kskip_kernel, wrap)[(triton.cdiv(T, bm) * triton.cdiv(N, bn), split)](
         a, w_t, b_, out, mask8, tg, tc, T, N, a.stride(0), w_t.stride(0), out.stride(0),
         G=G, GS=GS, BM=bm, BN=bn, BK=bk, SPLIT=split, HAS_BIAS=bias is not None, ATOMIC=atomic,
-        PREC=_prec(a.dtype), UPCAST=_interpret(), GROUP_M=cfg["group_m"], num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+        PREC=_prec(a.dtype), UPCAST=_interpret(), GROUP_M=cfg["group_m"], LISTS=use_lists,
+        num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
     return out.to(out_dtype) if atomic else out
 
 
@@ -321,7 +345,8 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
         return torch.mm(h, w_down_t)
     h = alloc((T, F), x.dtype, x.device)
     lists = None
-    if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"]:  # one mask reorder for both kernels
+    if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"] and cfg.get("lists", "kernel") != "none":
+        # one mask reorder for both kernels
         lists = tile_lists_triton(mask8, cfg["up_bm"], wrap)
     ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,
             lists=lists)
