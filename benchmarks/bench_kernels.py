@@ -314,7 +314,7 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
         spec = next(iter(MODELS.values()))
         W = weights(spec, gen)
         G, gs = spec["F"] // spec["gs"], spec["gs"]
-        for T in (1, 8192) if not DRY else (1, 20):
+        for T in [t for t in ((1, 8192) if not DRY else (1, 20)) if t in variants or DRY]:
             x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
             h = torch.randn(T, spec["F"], device=DEV, generator=gen).to(DT)
             wd = W["wd_t"].t().contiguous()
@@ -378,6 +378,8 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also sweep kernel configs (Llama MLP, d=0.5)")
     ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     ap.add_argument("--masks", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
+    ap.add_argument("--variant-ts", nargs="+", type=int, default=None,
+                    help=f"with --variants: sweep only these T (of {sorted(VARIANTS)}), and their components")
     ap.add_argument("--time-budget-s", type=float, default=float("inf"),
                     help="stop starting new T rows after this many seconds (the file then holds what finished)")
     args = ap.parse_args()
@@ -389,6 +391,8 @@ def main():
     worst = correctness(log)
     log(f"correctness: worst rel-L2 {worst:.2e}")
     variants = VARIANTS if args.variants else {}
+    if variants and args.variant_ts:
+        variants = {t: v for t, v in variants.items() if t in args.variant_ts}
     if DRY and variants:
         variants = {1: VARIANTS[1][:2], 20: VARIANTS[8192][:2] + VARIANTS[8192][-1:]}
     def save(recs, var=()):

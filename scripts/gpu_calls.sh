@@ -4,7 +4,7 @@
 #
 # Next session (30 min of device time; calls back to back, the machine goes back 30 s after a call):
 #   call 1  carry [".gguf/p1", ".whl", ".data/eval"]  bash scripts/gpu_calls.sh setup1 check_rest kernels (~8 min)
-#   call 2  carry [".gguf/p2"]                         bash scripts/gpu_calls.sh setup2 smollm2            (~9 min)
+#   call 2  carry [".gguf/p2"]                         bash scripts/gpu_calls.sh setup2 smollm2_fp32 sweep1 (~9 min)
 #   call 3  carry [".data/tok"]                        bash scripts/gpu_calls.sh train50                   (~9 min)
 # A session after that (nothing carried):           bash scripts/gpu_calls.sh e2e_table (resumable; repeat)
 #                                                    bash scripts/gpu_calls.sh kernels_sweep verify
@@ -39,6 +39,19 @@ step() {
   train50)  # issue 5: capacity 0.5 with SkipGPT and static at WIDE's measured task-prompt capacity (equal FLOPs)
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh --capacities 0.5 --deadline 520 \
       --s1-steps 350 --s2-steps 150 --s2-recalibrate --baselines-at-wide-capacity ;;
+  smollm2_fp32)  # issue 4: greedy generate() identical on SmolLM2 in fp32 (failed on shared memory, fixed since);
+                 # issue 6: SmolLM2 rows with its trained routers (core variants only)
+    timeout 240 python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1
+    grep CASE_RESULT "$OUT/check-smollm2.log" | cut -c1-2000 > "$OUT/check-compiled-smollm2-h200.json"
+    tail -c 1500 "$OUT/check-smollm2.log"
+    timeout 180 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
+      --prefill-tokens 2048 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --time-budget-s 160 \
+      --variants inductor inductor_cg static wide --out "$OUT" --name e2e-h200-smollm2 > "$OUT/e2e-smollm2.log" 2>&1
+    tail -12 "$OUT/e2e-smollm2.log" ;;
+  sweep1)  # issue 3/6: decode (T = 1) config sweep incl. the reorder-free kernels and wide K-skip tiles
+    timeout 120 python3 benchmarks/bench_kernels.py --quick --variants --variant-ts 1 --masks random fitted \
+      --time-budget-s 1 --out "$OUT/kernels-sweep-h200.json" > "$OUT/kernels-sweep.log" 2>&1
+    grep -E "variant|component" "$OUT/kernels-sweep.log" | tail -40 ;;
   kernels_fit)  # issue 3: the kernel table (post-fix code) with random and router-fitted masks, cut to fit
     timeout 300 python3 benchmarks/bench_kernels.py --masks random fitted --time-budget-s 240 \
       --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -40 "$OUT/kernels.log" ;;
