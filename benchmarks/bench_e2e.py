@@ -762,7 +762,7 @@ class ModelBench:
     def base_record(self, phase, tokens, batch, cap, masks) -> dict:
         return {"model": self.name, "layers": self.layers, "weights": self.weights, "phase": phase,
                 "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks,
-                "router_dtype": self.ctx.args.router_dtype}
+                "router_dtype": self.ctx.args.router_dtype, "kernel_config": self.ctx.args.kernel_config}
 
     def fill(self, rec, ref, static_v, wide_v, wide_eager_v, st_shape, measured, routers, rw, recompiled, prof,
              shared_measurement=False, cg=None):
@@ -915,6 +915,9 @@ def parse_args(argv=None):
     p.add_argument("--wide-decode-mode", choices=["manual-graph", "reduce-overhead", "none"], default="manual-graph",
                    help="WIDE decode: capture the compiled step in a CUDA graph here (default), or pass "
                         "mode='reduce-overhead' to the wide backend (Inductor CUDA graphs), or no graphs")
+    p.add_argument("--kernel-config", default=None, metavar="JSON",
+                   help='WIDE kernel config changes per phase for the whole run, e.g. \'{"decode": {"lists": "none"}}\' '
+                        "(wide_compile.kernels.compact_mlp.set_default_overrides; recorded in every record)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "
@@ -964,6 +967,13 @@ def main(argv=None) -> dict:
     _TEXT_FILE = a.text_file
     set_dynamo_limits()
     torch.manual_seed(a.seed)
+    if a.kernel_config:
+        from wide_compile.kernels.compact_mlp import set_default_overrides
+
+        kc = json.loads(a.kernel_config)
+        if not isinstance(kc, dict) or set(kc) - {"decode", "prefill"}:
+            raise SystemExit('--kernel-config: a JSON object with "decode" and/or "prefill" keys')
+        set_default_overrides(**kc)
     ctx = Ctx(a)
     log(f"bench_e2e: {ctx.meta['gpu'] or a.device} torch {ctx.meta['torch']} triton {ctx.meta['triton']} "
         f"transformers {ctx.meta['transformers']}; models {a.models}; phases {a.phases}; caps {a.capacities}; "

@@ -115,3 +115,23 @@ def test_smoke_bf16_routers(tmp_path):
     recs = data["records"]
     assert recs and all(r["router_dtype"] == "model" for r in recs)
     assert all(r["wide_ms"] and r["measured_capacity"] for r in recs), recs
+
+
+def test_kernel_config_option(tmp_path):
+    """--kernel-config sets the process-wide per-phase kernel overrides for the run and every record says so;
+    a malformed value is refused before anything runs."""
+    import bench_e2e
+    from wide_compile.kernels import compact_mlp as cm
+
+    _register_fake_backend()
+    old = cm.set_default_overrides()
+    try:
+        data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "decode",
+                               "--decode-batch", "1", "--capacities", "0.5", "--masks", "random", "--variants",
+                               "wide", "--no-plot", "--kernel-config", '{"decode": {"lists": "none"}}'])
+        assert data["records"] and all(r["kernel_config"] == '{"decode": {"lists": "none"}}' for r in data["records"])
+        assert cm._PHASE_OVERRIDES["decode"] == {"lists": "none"}
+        with pytest.raises(SystemExit):
+            bench_e2e.main(["--smoke", "--out", str(tmp_path), "--kernel-config", '{"decode_x": {}}'])
+    finally:
+        cm.set_default_overrides(**old)

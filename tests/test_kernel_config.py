@@ -51,3 +51,15 @@ def test_kernel_config_applies_overrides_after_the_fit():
     cfg = cm.kernel_config(1, 576, 1536, 64, 576, {"up_stages": 5}, elem_size=4)
     assert cfg["up_stages"] == 5  # an explicit sweep config is never rewritten
     assert cm.kernel_config(1, 576, 1536, 64, 576, elem_size=4)["up_stages"] == 3
+
+
+def test_phase_overrides_apply_to_their_phase_and_restore():
+    old = cm.set_default_overrides(decode={"lists": "none"}, prefill={"group_g": 4})
+    try:
+        dec = cm.kernel_config(1, 576, 1536, 64, 576)
+        pre = cm.kernel_config(2048, 576, 1536, 64, 576)
+        assert dec["lists"] == "none" and "lists" not in pre and pre["group_g"] == 4
+        assert cm.kernel_config(1, 576, 1536, 64, 576, {"lists": "kernel"})["lists"] == "kernel"  # caller wins
+    finally:
+        cm.set_default_overrides(**old)
+    assert "lists" not in cm.kernel_config(1, 576, 1536, 64, 576)

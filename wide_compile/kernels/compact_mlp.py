@@ -196,13 +196,28 @@ def _interpret():
 DECODE_T = 16
 
 
+# Process-wide config changes per phase ("decode": T <= DECODE_T, "prefill"), set by
+# set_default_overrides: how a benchmark runs a whole compiled model with a candidate config (the ops read
+# it when they are traced, i.e. at compile time).
+_PHASE_OVERRIDES: dict = {"decode": {}, "prefill": {}}
+
+
+def set_default_overrides(decode: Optional[dict] = None, prefill: Optional[dict] = None) -> dict:
+    """Replace the process-wide per-phase overrides; returns the previous ones (to restore them)."""
+    old = {k: dict(v) for k, v in _PHASE_OVERRIDES.items()}
+    _PHASE_OVERRIDES["decode"] = dict(decode or {})
+    _PHASE_OVERRIDES["prefill"] = dict(prefill or {})
+    return old
+
+
 def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides: Optional[dict] = None,
                   elem_size: int = 2, device=None) -> dict:
-    """default_config fitted to the device's shared memory for this element size, with the caller's
-    `overrides` (tests, tuning sweeps) applied on top unchanged."""
+    """default_config fitted to the device's shared memory for this element size, then the process-wide
+    phase overrides (set_default_overrides), then the caller's `overrides` (tests, sweeps) unchanged."""
     cfg = default_config(T, D, F, group_size, N_out)
     if not _interpret():
         cfg = fit_shared_memory(cfg, elem_size, shared_memory_bytes(device))
+    cfg.update(_PHASE_OVERRIDES["decode" if T <= DECODE_T else "prefill"])
     cfg.update(overrides or {})
     return cfg
 
