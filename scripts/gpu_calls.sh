@@ -7,7 +7,7 @@
 #   call 2  carry [".gguf/p2"]                         bash scripts/gpu_calls.sh setup2 smollm2_fp32 sweep1 (~9 min)
 #   call 3  carry [".data/tok"]                        bash scripts/gpu_calls.sh train50                   (~9 min)
 # A session after that (nothing carried):           bash scripts/gpu_calls.sh e2e_table (resumable; repeat)
-#                                                    bash scripts/gpu_calls.sh kernels_sweep verify
+#                                                    bash scripts/gpu_calls.sh decode_tuned verify
 #
 # Done on 2026-12-02 (second session): setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Calls 2 and 3 need the files
@@ -52,6 +52,12 @@ step() {
     timeout 120 python3 benchmarks/bench_kernels.py --quick --variants --variant-ts 1 --masks random fitted \
       --time-budget-s 1 --out "$OUT/kernels-sweep-h200.json" > "$OUT/kernels-sweep.log" 2>&1
     grep -E "variant|component" "$OUT/kernels-sweep.log" | tail -40 ;;
+  decode_tuned)  # issue 6: the decode goal row (8B shape, 32 layers) with the reorder-free decode kernels and
+                 # tensor-core routers, against the same dense / static rows in one run
+    timeout 330 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --phases decode --capacities 0.5 \
+      --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor_cg static wide --router-dtype model \
+      --kernel-config '{"decode": {"lists": "none"}}' --time-budget-s 300 --out "$OUT" \
+      --name e2e-h200-decode-tuned > "$OUT/e2e-decode-tuned.log" 2>&1; tail -15 "$OUT/e2e-decode-tuned.log" ;;
   kernels_fit)  # issue 3: the kernel table (post-fix code) with random and router-fitted masks, cut to fit
     timeout 300 python3 benchmarks/bench_kernels.py --masks random fitted --time-budget-s 240 \
       --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -40 "$OUT/kernels.log" ;;
