@@ -55,7 +55,7 @@ step() {
   decode_tuned)  # issue 6: the decode goal row (8B shape, 32 layers) with the reorder-free decode kernels and
                  # tensor-core routers, against the same dense / static rows in one run
     timeout 330 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --phases decode --capacities 0.5 \
-      --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor_cg static wide --router-dtype model \
+      --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static wide --router-dtype model \
       --kernel-config '{"decode": {"lists": "none"}}' --time-budget-s 300 --out "$OUT" \
       --name e2e-h200-decode-tuned > "$OUT/e2e-decode-tuned.log" 2>&1; tail -15 "$OUT/e2e-decode-tuned.log" ;;
   kernels_fit)  # issue 3: the kernel table (post-fix code) with random and router-fitted masks, cut to fit
