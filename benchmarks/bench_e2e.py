@@ -591,6 +591,8 @@ class ModelBench:
                         routers = self.get_routers(cap, masks)
                         if a.router_dtype == "model":  # tensor-core routers (bf16 weights, fp32 accumulation)
                             routers = routers.to(ctx.dtype)
+                        elif a.router_dtype == "bf16x2" and ctx.dtype == torch.bfloat16:
+                            routers = routers.split_bf16_()
                     except Exception as e:  # noqa: BLE001
                         rw["errors"]["routers"] = f"{type(e).__name__}: {str(e)[:400]}"
                         log(f"    routers cap={cap} masks={masks} FAILED: {rw['errors']['routers']}")
@@ -908,10 +910,11 @@ def parse_args(argv=None):
     p.add_argument("--wide-entry", choices=["backend", "optimize"], default="backend",
                    help="backend: torch.compile(model, backend=...); optimize: wide_compile.optimize(model, routers)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode without manual CUDA graphs")
-    p.add_argument("--router-dtype", choices=["float32", "model"], default="float32",
+    p.add_argument("--router-dtype", choices=["float32", "model", "bf16x2"], default="float32",
                    help="router weights in fp32 (as trained; cuBLAS runs them without tensor cores) or in the "
                         "model dtype (tensor cores; on SmolLM2 0.7%% / 1.0%% of attention / FFN decisions change, "
-                        "capacity 0.5091 -> 0.5093)")
+                        "capacity 0.5091 -> 0.5093); bf16x2: fp32 weights split in a bf16 pair, one tensor-core "
+                        "GEMM with fp32 output (fp32 decisions up to rounding)")
     p.add_argument("--wide-decode-mode", choices=["manual-graph", "reduce-overhead", "none"], default="manual-graph",
                    help="WIDE decode: capture the compiled step in a CUDA graph here (default), or pass "
                         "mode='reduce-overhead' to the wide backend (Inductor CUDA graphs), or no graphs")

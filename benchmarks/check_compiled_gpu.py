@@ -52,6 +52,8 @@ def _routers(model, ref, kind, cfg, device, seed=0):
     r = wc.Routers.init(model, cfg, seed=seed)
     calib = torch.randint(1, 128, (4, 32), device=device)
     r.calibrate_(ref, calib, capacity=0.5)
+    if kind == "bf16x2":  # fp32 weights as a bf16 pair: one tensor-core GEMM, fp32 out (aten::mm.dtype on CUDA)
+        r.split_bf16_()
     return r
 
 
@@ -263,6 +265,8 @@ def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
     if device.type == "cuda" and not quick:
         names.append("replay:llama-3.1-8b-shape-2L")
     names += [f"tiny:{a}:{k}:default" for a in archs for k in ("random", "constant")]
+    if device.type == "cuda" and not quick:
+        names.append("tiny:llama:bf16x2:default")
     if device.type == "cuda" and not quick:
         names.append("tiny:llama:random:reduce-overhead")
     if not quick:

@@ -31,9 +31,10 @@ step() {
     timeout 230 python3 benchmarks/check_compiled_gpu.py --only replay: tiny:llama:random:reduce-overhead \
       --case-timeout 100 --out "$OUT/check-compiled-h200.json" > "$OUT/check.log" 2>&1
     grep '^{' "$OUT/check.log" | cut -c1-300 ;;
-  check_rest)  # issue 4: the two cases the 2026-12-02 check did not reach (its 230 s limit ran out first)
-    timeout 330 python3 benchmarks/check_compiled_gpu.py --only replay:llama-3.1-8b-shape-2L \
-      tiny:llama:random:reduce-overhead --case-timeout 160 --out "$OUT/check-compiled-h200-rest.json" \
+  check_rest)  # issue 4: the two cases the 2026-12-02 check did not reach (its 230 s limit ran out first),
+              # after the split bf16 routers (aten::mm.dtype under Inductor on the GPU, not yet run there)
+    timeout 370 python3 benchmarks/check_compiled_gpu.py --only tiny:llama:bf16x2 replay:llama-3.1-8b-shape-2L \
+      tiny:llama:random:reduce-overhead --case-timeout 150 --out "$OUT/check-compiled-h200-rest.json" \
       > "$OUT/check.log" 2>&1
     grep '^{' "$OUT/check.log" | cut -c1-400 ;;
   train50)  # issue 5: capacity 0.5 with SkipGPT and static at WIDE's measured task-prompt capacity (equal FLOPs)
@@ -55,7 +56,7 @@ step() {
   decode_tuned)  # issue 6: the decode goal row (8B shape, 32 layers) with the reorder-free decode kernels and
                  # tensor-core routers, against the same dense / static rows in one run
     timeout 330 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --phases decode --capacities 0.5 \
-      --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static wide --router-dtype model \
+      --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static wide --router-dtype bf16x2 \
       --kernel-config '{"decode": {"lists": "none"}}' --time-budget-s 300 --out "$OUT" \
       --name e2e-h200-decode-tuned > "$OUT/e2e-decode-tuned.log" 2>&1; tail -15 "$OUT/e2e-decode-tuned.log" ;;
   kernels_fit)  # issue 3: the kernel table (post-fix code) with random and router-fitted masks, cut to fit
@@ -87,7 +88,7 @@ step() {
     timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --resume --target-s 0.3 --rounds 3 \
       --out "$OUT" ;;
   kernels)  # issue 3: the kernel table in one run with random, fitted and recorded trained-router masks
-    timeout 200 python3 benchmarks/bench_kernels.py --masks random fitted trained --time-budget-s 170 \
+    timeout 180 python3 benchmarks/bench_kernels.py --masks random fitted trained --time-budget-s 150 \
       --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -30 "$OUT/kernels.log" ;;
   kernels_sweep)  # decode K-skip with wide weight tiles, and the other config sweeps (density 0.5)
     timeout 250 python3 benchmarks/bench_kernels.py --quick --variants --masks random fitted --time-budget-s 60 \

@@ -243,3 +243,87 @@ def test_static_cache_helper_generate(compiled_llama):
         out = cm.generate(ids, **{cache_arg_name(ref): cache}, **kw)
         exp = ref.generate(ids, cache_implementation="static", **kw)
     assert torch.equal(out, exp)
+
+
+def test_split_bf16_routers_keep_fp32_decisions():
+    """Routers.split_bf16_: the fp32 weight as a bf16 pair, one bf16 GEMM with fp32 output. On bf16 inputs
+    its logits equal the fp32 router's to ~1e-6 (the bf16-cast router's are ~1e-3 off), so decisions
+    agree with fp32 where a bf16 cast flips some."""
+    from wide_compile.routing.routers import GroupRouter, split_bf16, split_logits
+
+    torch.manual_seed(0)
+    r = GroupRouter(256, 64)
+    w = r.proj.weight.detach()
+    w2 = split_bf16(w)
+    assert w2.dtype == torch.bfloat16 and w2.shape == (128, 256)
+    assert ((w2[:64].float() + w2[64:].float()) - w).abs().max() <= w.abs().max() * 2 ** -15
+    h = torch.randn(8192, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = (h.double() @ w.double().t() + r.proj.bias.double())  # fp64 of the fp32 router
+        got = split_logits(h, w2, r.proj.bias).double()
+        cast = torch.nn.functional.linear(h, w.to(torch.bfloat16), r.proj.bias.to(torch.bfloat16)).double()
+    scale = ref.abs().mean()
+    assert (got - ref).abs().max() < 1e-5 * scale * 16
+    assert (cast - ref).abs().max() > 100 * (got - ref).abs().max()
+    flips_split = ((got > 0) != (ref > 0)).sum().item()
+    flips_cast = ((cast > 0) != (ref > 0)).sum().item()
+    assert flips_split <= 1 and flips_cast > 10 * max(1, flips_split), (flips_split, flips_cast)
+
+
+def test_split_bf16_routers_in_graph_form_a_and_b(monkeypatch):
+    """optimize(router_dtype="bf16x2") on a bf16 model. Eager: the split routers make the fp32 routers'
+    decisions on a real (tiny) model. Compiled: form A (attached routers) matches the eager reference to
+    bf16 rounding of the layer ops; form B (gpt-fast, routers inserted into the dense graph) runs the split
+    router function for every layer's two routers."""
+    from wide_compile.passes import insert_routers
+
+    model, ref, routers = pair("llama", routers_seed=7, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad(), wc.routing.record_masks(ref) as fp32_masks:
+        ref(input_ids=ids)
+    cm = wc.optimize(model, routers, inductor=False, router_dtype="bf16x2")
+    assert all(r.w_split is not None and r.proj.weight.dtype == torch.float32 for r in routers.attn)
+    with torch.no_grad(), wc.routing.record_masks(ref) as split_masks:
+        exp = ref(input_ids=ids).logits
+    for k in ("attn", "ffn"):
+        for a, b in zip(fp32_masks[k], split_masks[k]):
+            assert torch.equal(a[0], b[0])
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, exp, atol=3e-2, rtol=3e-2)
+
+    calls = []
+    orig = insert_routers.split_router_mask
+    monkeypatch.setattr(insert_routers, "split_router_mask", lambda *a: calls.append(1) or orig(*a))
+    g, gref = gptfast_pair(seed=3)
+    g, gref = g.to(torch.bfloat16), gref.to(torch.bfloat16)
+    rb = wc.Routers.init(g.spec, CFG, seed=8).split_bf16_()
+    gref.ref_routers = rb
+    cg = wc.optimize(g, rb, inductor=False)
+    ids = torch.randint(0, 128, (2, 6))
+    with torch.no_grad():
+        cg(ids)  # compiles (tracing runs the function too)
+        calls.clear()
+        torch.testing.assert_close(cg(ids), gref(ids), atol=3e-2, rtol=3e-2)
+    assert len(calls) == 2 * g.spec.num_layers  # one attention and one FFN router per layer, per run
+    half = wc.Routers.init(g.spec, CFG, seed=8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="fp32 router weights"):
+        half.split_bf16_()
+
+
+def test_split_logits_cuda_branch_traces_to_mm_dtype():
+    """The CUDA branch (aten::mm.dtype: bf16 GEMM, fp32 output) traced with fake CUDA tensors, as Inductor
+    traces it on the GPU (mm.dtype has no CPU kernel, so it cannot run here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from wide_compile.routing.routers import split_logits
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        h = torch.empty(2, 5, 64, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(16, 64, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty(8, device="cuda", dtype=torch.float32)
+    gm = make_fx(split_logits, tracing_mode="fake")(h, w2, b)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mm.dtype in targets, targets
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    val = out[0].meta["val"] if isinstance(out, (list, tuple)) else out.meta["val"]
+    assert val.dtype == torch.float32 and tuple(val.shape) == (2, 5, 8)

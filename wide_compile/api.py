@@ -36,6 +36,9 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              model's dtype, or give a torch.dtype. bf16 routers flip decisions whose logit lies within bf16
              rounding of 0: on SmolLM2 with the shipped routers 0.71 % (attention) / 0.98 % (FFN) of decisions,
              capacity 0.5091 -> 0.5093 (benchmarks/router_precision.py). The eager reference uses the same (cast) routers.
+             "bf16x2" (bf16 models): keep the fp32 weights and run each linear router as one bf16 tensor-core
+             GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
+             the fp32 decisions up to rounding, at bf16 speed.
     options: see wide_compile.backend (strict, mode="reduce-overhead" for CUDA graphs, Inductor patches).
     """
     if not isinstance(model, nn.Module):
@@ -48,15 +51,19 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
         target = routers if routers is not None else attached_routers(model)
         if target is not None:
             p = next(model.parameters(), None)
-            if router_dtype == "model":
-                dt = p.dtype if p is not None else torch.float32
-            elif isinstance(router_dtype, torch.dtype):
-                dt = router_dtype
+            if router_dtype == "bf16x2":
+                target.split_bf16_()
             else:
-                raise ValueError(f"router_dtype must be None, 'model' or a torch.dtype, got {router_dtype!r}")
-            if not dt.is_floating_point:
-                raise ValueError(f"router_dtype must be a floating-point dtype, got {dt}")
-            target.to(dt)
+                if router_dtype == "model":
+                    dt = p.dtype if p is not None else torch.float32
+                elif isinstance(router_dtype, torch.dtype):
+                    dt = router_dtype
+                else:
+                    raise ValueError("router_dtype must be None, 'model', 'bf16x2' or a torch.dtype, got "
+                                     f"{router_dtype!r}")
+                if not dt.is_floating_point:
+                    raise ValueError(f"router_dtype must be a floating-point dtype, got {dt}")
+                target.to(dt)
     reports: list = []
     backend_opts = dict(options)
     if routers is not None:
