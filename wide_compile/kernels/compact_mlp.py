@@ -150,16 +150,18 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
         else:
             g = j
         act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
-        n_used = tl.max(act.to(tl.int32), axis=0)  # 1 when any token of the tile uses group g
+        if not LISTS:
+            n_used = tl.max(act.to(tl.int32), axis=0)  # 1 when any token of the tile uses group g
         for kk in tl.static_range(0, GS, BK):
             kin = kk + tl.arange(0, BK)
             kv = kin < GS
             k = (g * GS + kin).to(tl.int64)
             a = tl.load(a_ptr + rows64[:, None] * stride_a + k[None, :],
                         mask=act[:, None] & kv[None, :], other=0.0)
-            kvu = kv & ((tl.zeros([BK], dtype=tl.int32) + n_used) > 0)
+            if not LISTS:  # a listed group is always used; an unlisted unused one reads no weights
+                kv = kv & ((tl.zeros([BK], dtype=tl.int32) + n_used) > 0)
             w = tl.load(w_ptr + k[:, None] * stride_w + cols[None, :],
-                        mask=kvu[:, None] & cvalid[None, :], other=0.0)
+                        mask=kv[:, None] & cvalid[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
