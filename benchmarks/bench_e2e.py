@@ -578,7 +578,9 @@ class ModelBench:
                         return step_of(m), ro_reset(reset), {"mode": "reduce-overhead", "_keep": sm}
                     static_v = self.prepare("static", "static", mk_static, extra_bytes, wl)
                     st_shape = holder.get("shape")
-                for masks in (mask_types if cap < 0.9999 else ["all-on"]):
+                row_masks = mask_types if cap >= 0.9999 or a.correlated_capacities is None else [
+                    m for m in mask_types if m == "random" or any(abs(cap - c) < 1e-6 for c in a.correlated_capacities)]
+                for masks in (row_masks if cap < 0.9999 else ["all-on"]):
                     if ctx.over_budget():
                         ctx.skip(f"{self.name} {phase} {tokens}x{batch} cap {cap} {masks}: time budget exceeded")
                         break
@@ -918,6 +920,9 @@ def parse_args(argv=None):
     p.add_argument("--wide-decode-mode", choices=["manual-graph", "reduce-overhead", "none"], default="manual-graph",
                    help="WIDE decode: capture the compiled step in a CUDA graph here (default), or pass "
                         "mode='reduce-overhead' to the wide backend (Inductor CUDA graphs), or no graphs")
+    p.add_argument("--correlated-capacities", nargs="+", type=float, default=None,
+                   help="time the non-random mask kinds only at these capacities (random at every one): the "
+                        "correlated rows cost as much as the random ones and change little (e2e-h200.md)")
     p.add_argument("--kernel-config", default=None, metavar="JSON",
                    help='WIDE kernel config changes per phase for the whole run, e.g. \'{"decode": {"lists": "none"}}\' '
                         "(wide_compile.kernels.compact_mlp.set_default_overrides; recorded in every record)")

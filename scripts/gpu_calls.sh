@@ -89,6 +89,7 @@ step() {
               # continue where the last one stopped; each call returns the whole file so far
     mkdir -p "$C/e2e" && { [ -f "$C/e2e/e2e-h200.json" ] || cp benchmarks/results/e2e-h200.json "$C/e2e/"; }
     timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --no-budget-split --resume \
+      --correlated-capacities 0.5 \
       --target-s 0.3 --rounds 3 --out "$C/e2e" > "$OUT/e2e-table.log" 2>&1
     cp "$C"/e2e/e2e-h200.* "$OUT"/; tail -20 "$OUT/e2e-table.log" ;;
   kernels)  # issue 3: the kernel table in one run with random, fitted and recorded trained-router masks

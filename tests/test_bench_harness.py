@@ -135,3 +135,15 @@ def test_kernel_config_option(tmp_path):
             bench_e2e.main(["--smoke", "--out", str(tmp_path), "--kernel-config", '{"decode_x": {}}'])
     finally:
         cm.set_default_overrides(**old)
+
+
+def test_correlated_capacities_option(tmp_path):
+    """--correlated-capacities: random masks at every capacity, the other kinds only at the listed ones."""
+    import bench_e2e
+
+    _register_fake_backend()
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "prefill",
+                           "--prefill-batch", "1", "--capacities", "0.75", "0.5", "--variants", "wide", "--no-plot",
+                           "--correlated-capacities", "0.5"])
+    assert {(r["capacity"], r["masks"]) for r in data["records"]} == {
+        (0.75, "random"), (0.5, "random"), (0.5, "correlated")}
