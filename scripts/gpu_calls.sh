@@ -38,8 +38,11 @@ step() {
       > "$OUT/check.log" 2>&1
     grep '^{' "$OUT/check.log" | cut -c1-400 ;;
   train50)  # issue 5: capacity 0.5 with SkipGPT and static at WIDE's measured task-prompt capacity (equal FLOPs)
+    # WIDE stage 1 = the shipped smollm2-135m-c50 routers (that run's stage 1), evaluated, not retrained; its
+    # fixed-router stage 2 is already in the results; the joint stage 2 at 0.5 is new
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh --capacities 0.5 --deadline 520 \
-      --s1-steps 350 --s2-steps 150 --s2-recalibrate --baselines-at-wide-capacity ;;
+      --s1-steps 350 --s2-steps 150 --s2-recalibrate --baselines-at-wide-capacity \
+      --wide-routers smollm2-135m-c50 --stage2-methods static,skipgpt --joint ;;
   smollm2_fp32)  # issue 4: greedy generate() identical on SmolLM2 in fp32 (failed on shared memory, fixed since);
                  # issue 6: SmolLM2 rows with its trained routers (core variants only)
     timeout 240 python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1

@@ -113,6 +113,11 @@ def main(argv=None):
                          "prompts (so the two are compared at equal measured FLOPs), not at the nominal target")
     ap.add_argument("--baselines-at-wide-capacity", action="store_true",
                     help="like --static-at-wide-capacity, and also train SkipGPT's routers to that capacity")
+    ap.add_argument("--wide-routers", default=None,
+                    help="WIDE stage-1 routers to evaluate instead of training them: a shipped name "
+                         "(Routers.available()) or a .safetensors file; used at the first capacity only")
+    ap.add_argument("--stage2-methods", default=None,
+                    help="methods that get a stage 2 (default: all of --methods), e.g. static,skipgpt")
     ap.add_argument("--no-stage2", action="store_true")
     ap.add_argument("--s2-recalibrate", action="store_true",
                     help="after stage 2, re-fit the routers' global offset on the LoRA-merged model so the "
@@ -261,13 +266,21 @@ def main(argv=None):
                 variant = {f"{method}_capacity": b_cap,
                            "variant": f"{method} at WIDE stage 1's measured task-prompt capacity"}
             name = f"{method}-{tag}-s1" + ("-atwide" if variant else "")  # its own work folder (resume)
-            need = est["eval"] + (a.s1_steps * est["s1_step"] + 10 if method != "static" else 10)
+            loaded = method == "wide" and a.wide_routers and cap == caps[0]
+            need = est["eval"] + (a.s1_steps * est["s1_step"] + 10 if method != "static" and not loaded else 10)
             if not fits(name, need):
                 continue
             t0 = time.time()
             if method == "static":
                 r = baselines.static_pruning(model, calib, b_cap, allocation="best", eval_blocks=calib[:8], log=log)
                 extra = {"allocation": r.allocation, **variant}
+            elif loaded:
+                from ..routing import Routers
+
+                src = Path(a.wide_routers)
+                r = Routers.load(src, model) if src.is_file() else Routers.pretrained(a.wide_routers, model)
+                r.to(dev)
+                extra = {"routers_from": a.wide_routers}
             else:
                 cfg = Stage1Config(capacity=b_cap, steps=a.s1_steps, batch_size=a.batch_size, seq_len=a.seq_len,
                                    lr=a.s1_lr, cap_weight=a.cap_weight, lm_weight=a.lm_weight, seed=a.seed,
@@ -297,7 +310,8 @@ def main(argv=None):
                     report.plot_stats(results["router_stats"], out / "router-skip-smollm2.png")
         if a.no_stage2:
             continue
-        for method in methods:
+        s2_methods = [m for m in (a.stage2_methods.split(",") if a.stage2_methods else methods) if m]
+        for method in [m for m in methods if m in s2_methods]:
             name = f"{method}-{tag}-s2" + ("-atwide" if s1_extra.get((method, cap), {}).get("variant") else "")
             if (method, cap) not in s1 or not fits(name, est["eval"] + a.s2_steps * est["s2_step"] + 10):
                 continue
@@ -311,7 +325,9 @@ def main(argv=None):
             if a.s2_recalibrate and method != "static":
                 from ..training.stage1 import calibrate_offset_
 
-                calibrate_offset_(merged, r2, calib, cap, log=log)
+                # back to the capacity stage 1 was trained for (a baseline at WIDE's capacity keeps that one)
+                target = s1_extra.get((method, cap), {}).get(f"{method}_capacity", cap)
+                calibrate_offset_(merged, r2, calib, target, log=log)
                 r2.save(art / f"{method}-{tag}-s2.safetensors")
             held = deterministic_capacity(merged, r2, calib)
             same = {k: v for k, v in s1_extra.get((method, cap), {}).items() if k == "variant" or k.endswith("_capacity")}
