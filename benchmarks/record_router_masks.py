@@ -3,6 +3,7 @@
 
     python benchmarks/record_router_masks.py [--routers smollm2-135m-c50] [--tokens 8192] [--window 2048]
         [--data ../shared/data] [--out benchmarks/data/smollm2-c50-router-masks.safetensors]
+    python benchmarks/record_router_masks.py --report    # tile union densities of the recorded masks
 
 SmolLM2-135M-Instruct (fp32, CPU is fine) with the routers attached reads the first `--tokens` tokens of
 the WikiText-2 test text in windows of `--window`; for every layer the attention mask [T, 9 head groups]
@@ -47,6 +48,26 @@ def load_masks(path=DEFAULT_OUT) -> dict:
             "meta": meta}
 
 
+def union_report(rec: dict, densities=(0.25, 0.5, 0.75), tiles=(4, 16, 128)) -> list[dict]:
+    """For the layer closest to each density: the share of groups a tile of consecutive tokens must compute
+    (union of their masks), next to what tokens drawn independently with the same per-group rates would
+    need — how much real router output lets a token tile skip beyond its per-group rates."""
+    rows = []
+    for kind in ("ffn", "attn"):
+        rates = rec["meta"]["on_rate"][kind]
+        for d in densities:
+            i = min(range(len(rates)), key=lambda j: abs(rates[j] - d))
+            m = rec[kind][i]
+            p = m.float().mean(0)
+            for bm in tiles:
+                T = m.shape[0] // bm * bm
+                union = m[:T].view(-1, bm, m.shape[1]).any(1).float().mean().item()
+                indep = (1 - (1 - p) ** bm).mean().item()
+                rows.append(dict(kind=kind, layer=i, on_rate=rates[i], tile=bm, union=round(union, 3),
+                                 independent=round(indep, 3)))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routers", default="smollm2-135m-c50")
@@ -55,7 +76,13 @@ def main(argv=None):
     ap.add_argument("--data", default=None, help="../shared/data (its wikitext-2/wiki.test.raw)")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--report", action="store_true", help="print the tile union densities of --out and exit")
     a = ap.parse_args(argv)
+    if a.report:
+        for r in union_report(load_masks(a.out)):
+            print(f"{r['kind']:4s} layer {r['layer']:2d} on-rate {r['on_rate']:.3f} tile {r['tile']:3d}: union "
+                  f"{r['union']:.2f} (independent tokens, same rates: {r['independent']:.2f})")
+        return 0
 
     import wide_compile as wc
     from safetensors.torch import save_file

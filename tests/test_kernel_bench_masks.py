@@ -69,3 +69,18 @@ def test_trained_masks_come_from_the_recorded_file(bench):
     assert bench.trained_mask(8193, 24, 0.5) is None  # more tokens than recorded
     with pytest.raises(LookupError):
         bench.make_mask(4, 224, 0.5, "trained", None)
+
+
+def test_union_report_of_recorded_masks():
+    from benchmarks.record_router_masks import DEFAULT_OUT, load_masks, union_report
+
+    rows = union_report(load_masks(DEFAULT_OUT))
+    assert len(rows) == 2 * 3 * 3
+    for r in rows:
+        assert 0 < r["union"] <= 1 and 0 < r["independent"] <= 1
+    by = {(r["kind"], r["tile"], round(r["on_rate"], 1)): r for r in rows}
+    # a larger tile never needs fewer groups
+    for kind in ("ffn", "attn"):
+        for rate in {round(r["on_rate"], 1) for r in rows if r["kind"] == kind}:
+            u = [by[(kind, t, rate)]["union"] for t in (4, 16, 128)]
+            assert u == sorted(u)
