@@ -71,6 +71,17 @@ def test_trained_masks_come_from_the_recorded_file(bench):
         bench.make_mask(4, 224, 0.5, "trained", None)
 
 
+def test_reorder_helpers():
+    from benchmarks.record_router_masks import greedy_order, lex_order, tile_union
+
+    g = torch.Generator().manual_seed(0)
+    pats = torch.rand(4, 12, generator=g) < 0.5  # 4 distinct masks, 32 tokens each, shuffled
+    m = pats[torch.randperm(128, generator=g) % 4]
+    for order in (lex_order(m), greedy_order(m, 32)):
+        assert sorted(order.tolist()) == list(range(128))  # a permutation
+        assert tile_union(m[order], 32) == pytest.approx(pats.float().mean().item())  # tiles = one pattern each
+
+
 def test_union_report_of_recorded_masks():
     from benchmarks.record_router_masks import DEFAULT_OUT, load_masks, union_report
 
@@ -78,6 +89,9 @@ def test_union_report_of_recorded_masks():
     assert len(rows) == 2 * 3 * 3
     for r in rows:
         assert 0 < r["union"] <= 1 and 0 < r["independent"] <= 1
+        assert r["union_greedy"] <= r["union_lex_sorted"] + 0.05  # the offline bound is the lower one
+        if r["tile"] == 128:  # reordering one prefill's tokens by mask lets tiles share groups
+            assert r["union_lex_sorted"] < r["union"] or r["union"] < 0.9
     by = {(r["kind"], r["tile"], round(r["on_rate"], 1)): r for r in rows}
     # a larger tile never needs fewer groups
     for kind in ("ffn", "attn"):
