@@ -48,6 +48,12 @@ def load_masks(path=DEFAULT_OUT) -> dict:
             "meta": meta}
 
 
+def closest_layer(rec: dict, kind: str, density: float) -> int:
+    """The layer whose recorded `kind` ("attn" / "ffn") on-rate is closest to `density`."""
+    rates = rec["meta"]["on_rate"][kind]
+    return min(range(len(rates)), key=lambda i: abs(rates[i] - density))
+
+
 def lex_order(m: torch.Tensor) -> torch.Tensor:
     """Token order that sorts masks lexicographically, the most balanced groups (rate nearest 0.5) first:
     a sort a GPU can do per layer (pack the bits into a key, argsort)."""
@@ -91,7 +97,7 @@ def union_report(rec: dict, densities=(0.25, 0.5, 0.75), tiles=(4, 16, 128), reo
     for kind in ("ffn", "attn"):
         rates = rec["meta"]["on_rate"][kind]
         for d in densities:
-            i = min(range(len(rates)), key=lambda j: abs(rates[j] - d))
+            i = closest_layer(rec, kind, d)
             m = rec[kind][i]
             p = m.float().mean(0)
             head = m[:reorder_tokens]

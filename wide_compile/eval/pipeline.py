@@ -249,7 +249,8 @@ def main(argv=None):
     est["eval"] = time.time() - t0
     caps = [float(c) for c in a.capacities.split(",") if c]
     methods = [m for m in a.methods.split(",") if m]
-    s1, s1_extra = {}, {}
+    s1 = {}
+    s1_variant = {}  # (method, cap) -> (capacity stage 1 trained/pruned for, variant fields of its records)
     for cap in caps:
         tag = f"c{int(round(cap * 100))}"
         # stage 1 / baselines at this capacity
@@ -300,7 +301,7 @@ def main(argv=None):
             r.name = f"smollm2-135m-{tag}" if method == "wide" else f"{method}-smollm2-135m-{tag}"
             r.save(art / f"{method}-{tag}-s1.safetensors")
             s1[(method, cap)] = r
-            s1_extra[(method, cap)] = extra  # stage 2 on these routers/groups carries the same variant
+            s1_variant[(method, cap)] = (b_cap, variant)  # stage 2 on these routers/groups carries the same
             log(f"{name}: trained/built in {extra['train_s']}s, held-out capacity {held['overall']:.4f}")
             evaluate(model, method, 1, cap, r, **extra)
             if method != "static":
@@ -312,7 +313,8 @@ def main(argv=None):
             continue
         s2_methods = [m for m in (a.stage2_methods.split(",") if a.stage2_methods else methods) if m]
         for method in [m for m in methods if m in s2_methods]:
-            name = f"{method}-{tag}-s2" + ("-atwide" if s1_extra.get((method, cap), {}).get("variant") else "")
+            b_cap, variant = s1_variant.get((method, cap), (cap, {}))
+            name = f"{method}-{tag}-s2" + ("-atwide" if variant else "")
             if (method, cap) not in s1 or not fits(name, est["eval"] + a.s2_steps * est["s2_step"] + 10):
                 continue
             t0 = time.time()
@@ -326,14 +328,12 @@ def main(argv=None):
                 from ..training.stage1 import calibrate_offset_
 
                 # back to the capacity stage 1 was trained for (a baseline at WIDE's capacity keeps that one)
-                target = s1_extra.get((method, cap), {}).get(f"{method}_capacity", cap)
-                calibrate_offset_(merged, r2, calib, target, log=log)
+                calibrate_offset_(merged, r2, calib, b_cap, log=log)
                 r2.save(art / f"{method}-{tag}-s2.safetensors")
             held = deterministic_capacity(merged, r2, calib)
-            same = {k: v for k, v in s1_extra.get((method, cap), {}).items() if k == "variant" or k.endswith("_capacity")}
             final = {"train_final": {"kd": merged.train_history[-1]["kd"]}} if merged.train_history else {"resumed": True}
             evaluate(merged, method, 2, cap, r2, train_s=round(time.time() - t0, 1),
-                     capacity_heldout=held["overall"], **final, **same)
+                     capacity_heldout=held["overall"], **final, **variant)
             del merged
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -292,6 +292,20 @@ def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: b
                 down="dense")
 
 
+def uses_tile_lists(cfg: dict) -> bool:
+    """False for the reorder-free tile path (config lists="none"), where the kernels read the mask themselves."""
+    return cfg.get("lists", "kernel") != "none"
+
+
+def _tile_lists(cfg, mask8, bm, wrap, lists):
+    """(use_lists, tg, tc) for a tile-path launch: the given or freshly built tile lists, or, without lists,
+    the mask as placeholder pointers the kernel never reads (no reorder launch)."""
+    if not uses_tile_lists(cfg):
+        return False, mask8, mask8
+    tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
+    return True, tg, tc
+
+
 def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap, lists=None):
     """Launch the grouped-output kernel; ``out`` [T, G*GS] is written for active pairs
     (and zeros for inactive tokens of visited groups when zero_inactive)."""
@@ -310,11 +324,7 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
-        use_lists = cfg.get("lists", "kernel") != "none"
-        if use_lists:
-            tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
-        else:  # no reorder launch: the kernel reads the mask itself (tg/tc are unused placeholders)
-            tg = tc = mask8
+        use_lists, tg, tc = _tile_lists(cfg, mask8, bm, wrap, lists)
         k[(triton.cdiv(T, bm), G, nsub)](
             x, w1, w2_, b_, out, mask8, tg, tc, tg, tc,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
@@ -328,11 +338,7 @@ def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
     T = a.shape[0]
     N = w_t.shape[1]
     bm, bn, bk, split = cfg["dn_bm"], cfg["dn_bn"], cfg["dn_bk"], cfg["dn_split"]
-    use_lists = cfg.get("lists", "kernel") != "none"
-    if use_lists:
-        tg, tc = lists if lists is not None else tile_lists_triton(mask8, bm, wrap)
-    else:  # no reorder launch: the kernel visits every group and predicates unused ones off
-        tg = tc = mask8
+    use_lists, tg, tc = _tile_lists(cfg, mask8, bm, wrap, lists)
     atomic = split > 1
     if atomic:
         out = torch.zeros((T, N), dtype=torch.float32, device=a.device)
@@ -362,7 +368,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
         return torch.mm(h, w_down_t)
     h = alloc((T, F), x.dtype, x.device)
     lists = None
-    if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"] and cfg.get("lists", "kernel") != "none":
+    if cfg["path"] != "sorted" and cfg["up_bm"] == cfg["dn_bm"] and uses_tile_lists(cfg):
         # one mask reorder for both kernels
         lists = tile_lists_triton(mask8, cfg["up_bm"], wrap)
     ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,

@@ -60,9 +60,9 @@ def _router_node(ctx: PassContext, router, x, tag: str):
             args = (x, const(router.proj_in.weight, "w1"), const(router.proj_in.bias, "b1"),
                     const(router.proj.weight, "w2"), const(router.proj.bias, "b2"))
             return ctx.weights.call(mlp_router_mask, args)
-        w_split = getattr(router, "w_split", None)
-        if w_split is not None and meta(x) is not None and meta(x).dtype == w_split.dtype:  # Routers.split_bf16_
-            return ctx.weights.call(split_router_mask, (x, const(w_split, "w2"), const(router.proj.bias, "b")))
+        w2 = router.split_for(meta(x).dtype) if meta(x) is not None else None  # Routers.split_bf16_
+        if w2 is not None:
+            return ctx.weights.call(split_router_mask, (x, const(w2, "w2"), const(router.proj.bias, "b")))
         return ctx.weights.call(linear_router_mask, (x, const(router.proj.weight, "w"), const(router.proj.bias, "b")))
     raise ValueError(f"wide_compile: cannot insert a router of type {type(router).__name__} into the graph "
                      "(supported: GroupRouter, ConstantRouter, ReplayRouter)")

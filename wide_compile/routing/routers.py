@@ -25,9 +25,9 @@ _BIG = 30.0  # logit magnitude of a constant router: sigmoid(30) == 1 in fp32
 def split_bf16(w: torch.Tensor) -> torch.Tensor:
     """fp32 weight [G, D] -> bf16 [2G, D]: rows :G = bf16(w), rows G: = bf16(w - bf16(w)); the pair holds w
     to about 2^-16 relative (16 mantissa bits instead of bf16's 8)."""
-    hi = w.detach().float().to(torch.bfloat16)
-    lo = (w.detach().float() - hi.float()).to(torch.bfloat16)
-    return torch.cat([hi, lo])
+    w = w.detach().float()
+    hi = w.to(torch.bfloat16)
+    return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
 
 
 def split_logits(h: torch.Tensor, w2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -67,9 +67,15 @@ class GroupRouter(nn.Module):
             return 2 * (self.dim * self.hidden + self.hidden * self.groups)
         return 2 * self.dim * self.groups
 
+    def split_for(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bf16 weight pair (Routers.split_bf16_) when it applies to inputs of `dtype`, else None."""
+        ok = self.w_split is not None and dtype == torch.bfloat16 == self.w_split.dtype
+        return self.w_split if ok else None
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.w_split is not None and h.dtype == torch.bfloat16 and self.w_split.dtype == torch.bfloat16:
-            return split_logits(h, self.w_split, self.proj.bias)
+        w2 = self.split_for(h.dtype)
+        if w2 is not None:
+            return split_logits(h, w2, self.proj.bias)
         x = h.to(self.proj.weight.dtype)
         if self.hidden:
             x = nn.functional.silu(self.proj_in(x))
@@ -215,7 +221,7 @@ class Routers(nn.Module):
                 if r.proj.weight.dtype != torch.float32:
                     raise ValueError("split_bf16_ needs fp32 router weights (the split keeps their precision); "
                                      f"these are {r.proj.weight.dtype}")
-                r.w_split = None if r.hidden else split_bf16(r.proj.weight).to(r.proj.weight.device)
+                r.w_split = None if r.hidden else split_bf16(r.proj.weight)
         return self
 
     # -- decisions ---------------------------------------------------------------------------------

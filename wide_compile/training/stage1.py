@@ -136,6 +136,15 @@ def _previous_history(out_dir, name: str) -> list:
     return list(json.loads(f.read_text()).get("history", []))
 
 
+def _fast_forward(sched, steps: int) -> None:
+    """Advance a resumed run's LR schedule to its step (no optimizer step is due here, so torch's
+    "scheduler before optimizer" warning does not apply)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(steps):
+            sched.step()
+
+
 def _load_opt(opt: torch.optim.Optimizer, path: Path) -> int:
     from safetensors import safe_open
 
@@ -233,13 +242,10 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
         log(f"resumed stage 1 from {ck} at step {start}")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.steps)))))
-    with warnings.catch_warnings():  # fast-forwarding a resumed schedule: no optimizer step is due here
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(start):
-            sched.step()
+    _fast_forward(sched, start)
     cost = FlopCost.from_routers(routers)
     attach(model, routers)
-    hist = _previous_history(out_dir, 'stage1.json') if start else []
+    hist = _previous_history(out_dir, "stage1.json") if start else []
     t0 = time.time()
     it = blocks.batches(cfg.batch_size, cfg.steps, seed=cfg.seed, start=start)
     bar = tqdm(range(start, cfg.steps), desc=f"stage1 c={cfg.capacity}", disable=not progress, mininterval=5)

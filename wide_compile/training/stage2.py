@@ -15,14 +15,13 @@ import copy
 import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from ..routing import FlopCost, Routers, attach, detach, record_masks
-from .stage1 import _load_opt, _previous_history, _save_opt, kd_loss, lm_loss, relaxed_capacity
+from .stage1 import _fast_forward, _load_opt, _previous_history, _save_opt, kd_loss, lm_loss, relaxed_capacity
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -119,14 +118,11 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
         log(f"resumed stage 2 from {ck} at step {start}")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.steps))))
-    with warnings.catch_warnings():  # fast-forwarding a resumed schedule: no optimizer step is due here
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(start):
-            sched.step()
+    _fast_forward(sched, start)
     cost = FlopCost.from_routers(routers)
     pm.train()
     it = blocks.batches(cfg.batch_size, cfg.steps, seed=cfg.seed + 1, start=start)
-    t0, hist = time.time(), (_previous_history(out_dir, 'stage2.json') if start else [])
+    t0, hist = time.time(), (_previous_history(out_dir, "stage2.json") if start else [])
     bar = tqdm(range(start, cfg.steps), desc="stage2", disable=not progress, mininterval=5)
     for step in bar:
         ids = next(it).to(device)
