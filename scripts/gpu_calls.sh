@@ -43,6 +43,10 @@ step() {
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh --capacities 0.5 --deadline 520 \
       --s1-steps 350 --s2-steps 150 --s2-recalibrate --baselines-at-wide-capacity \
       --wide-routers smollm2-135m-c50 --stage2-methods static,skipgpt --joint ;;
+  smollm2_check)  # issue 4: greedy generate() identical on SmolLM2 in fp32 (compiled with the Triton ops vs eager)
+    timeout 240 python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1
+    grep CASE_RESULT "$OUT/check-smollm2.log" | cut -c1-2000 > "$OUT/check-compiled-smollm2-h200.json"
+    tail -c 1500 "$OUT/check-smollm2.log" ;;
   smollm2_fp32)  # issue 4: greedy generate() identical on SmolLM2 in fp32 (failed on shared memory, fixed since);
                  # issue 6: SmolLM2 rows with its trained routers (core variants only)
     timeout 240 python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1

@@ -38,7 +38,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    GROUP_G: tl.constexpr, LISTS: tl.constexpr = True):
+                    GROUP_G: tl.constexpr, LISTS: tl.constexpr):
     if SORTED:
         # program -> (group g, k-th block of g's token list), swizzled in super-blocks of GROUP_G
         # groups so that concurrent programs share weights (same g) and x rows (same k range).
@@ -123,7 +123,7 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
                   G: tl.constexpr, GS: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PREC: tl.constexpr,
-                  UPCAST: tl.constexpr, GROUP_M: tl.constexpr, LISTS: tl.constexpr = True):
+                  UPCAST: tl.constexpr, GROUP_M: tl.constexpr, LISTS: tl.constexpr):
     # grouped (L2-friendly) ordering of the (m, n) tiles: GROUP_M token tiles sweep the n blocks
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -322,7 +322,8 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             x, w1, w2_, b_, out, mask8, bgroups, gblk, sorted_ids, ntpp,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
-            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], LISTS=True,
+            num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
         use_lists, tg, tc = _tile_lists(cfg, mask8, bm, wrap, lists)
         k[(triton.cdiv(T, bm), G, nsub)](
