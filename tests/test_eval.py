@@ -203,6 +203,12 @@ def test_merge_runs_keeps_first_record_and_lists_repeats():
     assert m["router_stats"] == {"wide c70": {"x": 1}} and [r["command"] for r in m["runs"]] == ["run one", "run two"]
     with pytest.raises(ValueError):
         report.merge_runs([])
+    # merging into an already merged file keeps its runs and repeats (seen: its runs were lost)
+    run3 = {"command": "run three", "date": "d3", "records": [rec("dense", 0, 1.0, 0.62), rec("static", 1, 0.5, 0.4)]}
+    m2 = report.merge_runs([m, run3])
+    assert [r["command"] for r in m2["runs"]] == ["run one", "run two", "run three"]
+    assert [r["run"] for r in m2["repeats"]] == [1, 2]
+    assert [r["command"] for r in m2["records"]] == ["run one", "run one", "run two", "run two", "run three"]
 
 
 def test_token_kinds():

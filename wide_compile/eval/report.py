@@ -225,10 +225,17 @@ def merge_runs(results: list[dict]) -> dict:
         raise ValueError("merge_runs: no results to merge")
     out: dict = {"records": [], "repeats": [], "router_stats": {}, "runs": []}
     seen: dict = {}
-    for i, res in enumerate(results):
-        run = {k: res[k] for k in RUN_KEYS if k in res}
-        run.update({k: res[k] for k in ("protocol", "skipped", "timings", "notes") if k in res})
-        out["runs"].append(run)
+    for res in results:
+        if "runs" in res:  # an already merged file: keep its runs and its repeats (run indices shifted)
+            shift = len(out["runs"])
+            out["runs"].extend(res["runs"])
+            out["repeats"].extend({**rep, "run": rep["run"] + shift} for rep in res.get("repeats", []))
+            i = None
+        else:
+            run = {k: res[k] for k in RUN_KEYS if k in res}
+            run.update({k: res[k] for k in ("protocol", "skipped", "timings", "notes") if k in res})
+            out["runs"].append(run)
+            i = len(out["runs"]) - 1
         for r in res.get("records", []):
             r = dict(r)
             for k in RUN_KEYS:
