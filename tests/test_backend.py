@@ -65,6 +65,7 @@ def test_optimize_constant_masks_matches_zeroed_dense_oracle():
     model, oracle = tiny_model("llama", seed=3), tiny_model("llama", seed=3)
     spec = wc.models.model_spec(model)
     ga, gf = CFG.num_head_groups(spec), CFG.num_ffn_groups(spec)
+    assert ga == 4  # the hand-written attention masks below have one entry per head group
     attn = [torch.tensor([1, 0, 1, 0], dtype=torch.bool), torch.tensor([0, 1, 1, 1], dtype=torch.bool)]
     ffn = [torch.arange(gf) % 3 != 0, torch.arange(gf) % 2 == 0]
     routers = wc.Routers.constant(model, CFG, attn=attn, ffn=ffn)

@@ -260,6 +260,7 @@ def test_gptfast_constant_routers():
     model, ref = gptfast_pair(seed=4)
     spec = model.spec
     ga, gf = CFG.num_head_groups(spec), CFG.num_ffn_groups(spec)
+    assert ga == 4  # the hand-written attention masks below have one entry per head group
     routers = wc.Routers.constant(spec, CFG, attn=[torch.tensor([1, 0, 1, 1], dtype=torch.bool)] * 2,
                                   ffn=[torch.arange(gf) % 2 == 0] * 2)
     ref.ref_routers = routers
