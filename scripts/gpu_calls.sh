@@ -50,11 +50,9 @@ step() {
     timeout ${CHECK_TIMEOUT:-440} python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1
     grep CASE_RESULT "$OUT/check-smollm2.log" | cut -c1-2000 > "$OUT/check-compiled-smollm2-h200.json"
     tail -c 1500 "$OUT/check-smollm2.log" ;;
-  smollm2_fp32)  # issue 4: greedy generate() identical on SmolLM2 in fp32 (failed on shared memory, fixed since);
-                 # issue 6: SmolLM2 rows with its trained routers (core variants only)
-    timeout 240 python3 benchmarks/check_compiled_gpu.py --case smollm2:float32 > "$OUT/check-smollm2.log" 2>&1
-    grep CASE_RESULT "$OUT/check-smollm2.log" | cut -c1-2000 > "$OUT/check-compiled-smollm2-h200.json"
-    tail -c 1500 "$OUT/check-smollm2.log"
+  smollm2_fp32)  # issue 4 + 6: the two steps below, in one call
+    step smollm2_check; step smollm2_e2e ;;
+  smollm2_e2e)  # issue 6: SmolLM2 rows with its trained routers (core variants only)
     timeout 190 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
       --prefill-tokens 2048 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --time-budget-s 170 \
       --no-budget-split --variants inductor inductor_cg static wide --out "$OUT" --name e2e-h200-smollm2 \
@@ -74,10 +72,8 @@ step() {
     timeout 300 python3 benchmarks/bench_kernels.py --masks random fitted --time-budget-s 240 \
       --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -40 "$OUT/kernels.log" ;;
   verify)  # issue 4 + 6: replayed-mask kernel checks (tiny archs + 2-layer 8B shape) and the reduce-overhead
-           # generate() with an early-allocated cache; then the goal rows with tensor-core routers (32 layers)
-    timeout 230 python3 benchmarks/check_compiled_gpu.py --only replay: tiny:llama:random:reduce-overhead \
-      --case-timeout 100 --out "$OUT/check-compiled-h200.json" > "$OUT/check.log" 2>&1
-    grep '^{' "$OUT/check.log" | cut -c1-300
+           # generate() with an early-allocated cache (step check); then the goal rows with tensor-core routers
+    step check
     timeout 320 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --capacities 0.5 --prefill-tokens 2048 \
       --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static \
       wide --router-dtype model --time-budget-s 280 --out "$OUT" --name e2e-h200-bf16routers > "$OUT/e2e.log" 2>&1

@@ -27,12 +27,15 @@ def _jit_kernels():
 
 
 def test_kernels_found():
-    names = [n for n, _ in _jit_kernels()]
+    names = [n for n, _ in KERNELS]
     assert any(n.endswith("_ngather_kernel") for n in names) and any(n.endswith("_kskip_kernel") for n in names)
     assert any(n.endswith("_tile_lists_kernel") for n in names)
 
 
-@pytest.mark.parametrize("name,fn", _jit_kernels(), ids=[n for n, _ in _jit_kernels()])
+KERNELS = _jit_kernels()
+
+
+@pytest.mark.parametrize("name,fn", KERNELS, ids=[n for n, _ in KERNELS])
 def test_no_defaulted_parameters(name, fn):
     defaulted = [p.name for p in inspect.signature(fn).parameters.values() if p.default is not inspect.Parameter.empty]
     assert not defaulted, f"{name}: parameters with defaults {defaulted}; pass them at every launch instead"

@@ -220,7 +220,8 @@ def merge_runs(results: list[dict]) -> dict:
     Every record is stamped with its own run's command, date, GPU and versions (a merged file has no
     single command). The first record of each (method, stage, capacity, variant) is kept; a later one is
     listed under `repeats` with its average accuracy, so run-to-run noise stays visible instead of being
-    silently replaced. Router statistics are merged by name (later runs win)."""
+    silently replaced. Router statistics are merged by name (later runs win). An input that is itself a
+    merged file (it has `runs`) contributes its runs and repeats as they are."""
     if not results:
         raise ValueError("merge_runs: no results to merge")
     out: dict = {"records": [], "repeats": [], "router_stats": {}, "runs": []}

@@ -68,10 +68,10 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
             if j >= cnt:
                 return
             g = tl.load(idx_ptr + m * G + j)
-            act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
-        else:  # program j -> group j, gone at once when no token of the tile uses it (no reorder launch)
+        else:  # program j -> group j (no reorder launch)
             g = j
-            act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        act = tl.load(mask_ptr + rows * G + g, mask=rvalid, other=0) != 0
+        if not LISTS:  # gone at once when no token of the tile uses group j
             if tl.max(act.to(tl.int32), axis=0) == 0:
                 return
         if ZERO_INACTIVE:
