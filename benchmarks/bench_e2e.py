@@ -678,6 +678,8 @@ class ModelBench:
                         rec = self.base_record(phase, tokens, batch, cap, mm)
                         self.fill(rec, ref, static_v, wide_v, wide_eager_v, st_shape, measured, routers, rw,
                                   recompiled, prof, shared_measurement=(masks == "all-on"), cg=cg)
+                        # each record names its own run: a resumed file holds rows of several runs
+                        rec.update(command=ctx.meta.get("command"), date=ctx.meta.get("date"))
                         ctx.records = [r for r in ctx.records if row_key(r) != row_key(rec)] + [rec]
                         log(R.one_line(rec))
                     ctx.write()

@@ -90,14 +90,23 @@ step() {
   train70)  # issue 5: capacity 0.7 (WIDE, SkipGPT, static, each with stage 2) and WIDE stage 2 with joint routers
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh --capacities 0.7 --deadline 520 \
       --s1-steps 350 --s2-steps 150 --joint --s2-recalibrate --static-at-wide-capacity ;;
-  e2e_table)  # issue 6: the rest of the table (8B/3B/SmolLM2 shapes at 4 layers), resumable in pieces: the
-              # working copy lives in /root/wcache/e2e (kept while the machine is warm), so back-to-back calls
-              # continue where the last one stopped; each call returns the whole file so far
+  e2e_table)  # issue 6: the table (Llama-3.1-8B / Llama-3.2-3B shapes at 4 layers, every workload and capacity),
+              # resumable in pieces: the working copy lives in /root/wcache/e2e (kept while the machine is warm),
+              # so back-to-back calls continue where the last one stopped; each call returns the whole file so
+              # far. E2E_MODELS picks the models, E2E_BUDGET the seconds (split between prefill and decode).
     mkdir -p "$C/e2e" && { [ -f "$C/e2e/e2e-h200.json" ] || cp benchmarks/results/e2e-h200.json "$C/e2e/"; }
-    timeout 560 python3 benchmarks/bench_e2e.py --layers 4 --time-budget-s 480 --no-budget-split --resume \
-      --correlated-capacities 0.5 \
-      --target-s 0.3 --rounds 3 --out "$C/e2e" > "$OUT/e2e-table.log" 2>&1
-    cp "$C"/e2e/e2e-h200.* "$OUT"/; tail -20 "$OUT/e2e-table.log" ;;
+    timeout $(( ${E2E_BUDGET:-480} + 80 )) python3 benchmarks/bench_e2e.py --models ${E2E_MODELS:-llama-3.1-8b} \
+      --layers 4 --variants inductor inductor_cg static wide --correlated-capacities 0.5 \
+      --time-budget-s ${E2E_BUDGET:-480} --resume --target-s 0.3 --rounds 3 --out "$C/e2e" >> "$OUT/e2e-table.log" 2>&1
+    cp "$C"/e2e/e2e-h200.* "$OUT"/; grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-table.log" | tail -12 ;;
+  setup1_e2e)  # GGUF part 1 and the wheels only (the SmolLM2 e2e rows need no evaluation data)
+    cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
+  smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)
+    timeout ${SMOL_TIMEOUT:-230} python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
+      --phases decode --decode-ctx 1024 --decode-batch 1 --time-budget-s $(( ${SMOL_TIMEOUT:-230} - 20 )) \
+      --no-budget-split --variants inductor inductor_cg static wide --out "$OUT" --name e2e-h200-smollm2-decode \
+      > "$OUT/e2e-smollm2-decode.log" 2>&1
+    tail -8 "$OUT/e2e-smollm2-decode.log" ;;
   kernels)  # issue 3: the kernel table in one run with random, fitted and recorded trained-router masks
     timeout 180 python3 benchmarks/bench_kernels.py --masks random fitted trained --time-budget-s 150 \
       --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -30 "$OUT/kernels.log" ;;

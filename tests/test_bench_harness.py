@@ -47,6 +47,7 @@ def test_smoke_records(tmp_path):
         for k in REQUIRED:
             assert k in r, (k, r)
         assert r["model"] == "tiny" and r["tokens"] == 16 and r["batch"] == 1
+        assert r["command"] == on_disk["command"] and r["date"] == on_disk["date"]  # each row names its run
         assert r["dense_inductor_ms"] and r["wide_ms"] and r["wide_eager_ms"] and r["eager_dense_ms"], r
         assert r["speedup"] == pytest.approx(r["dense_inductor_ms"] / r["wide_ms"], rel=1e-3)
         assert r["static_ms"], r
@@ -147,3 +148,14 @@ def test_correlated_capacities_option(tmp_path):
                            "--correlated-capacities", "0.5"])
     assert {(r["capacity"], r["masks"]) for r in data["records"]} == {
         (0.75, "random"), (0.5, "random"), (0.5, "correlated")}
+
+
+def test_plot_separates_depths(tmp_path):
+    """Rows of one model at different depths (the 32-layer goal rows, the 4-layer table) get their own panels."""
+    from e2e import report as R
+
+    base = {"model": "llama-3.1-8b", "phase": "decode", "tokens": 1024, "batch": 1, "masks": "random"}
+    recs = [dict(base, layers=L, capacity=c, speedup=s, static_speedup=s + 0.2)
+            for L, c, s in ((32, 0.5, 1.19), (4, 0.5, 1.15), (4, 1.0, 0.92))]
+    assert R.plot_panels(recs) == [("llama-3.1-8b", 32, "decode"), ("llama-3.1-8b", 4, "decode")]
+    assert R.plot({"records": recs}, tmp_path / "p.png").is_file()
