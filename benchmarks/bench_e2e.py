@@ -442,7 +442,7 @@ class ModelBench:
             mask_types.append("trained")
         if self.weights != "pretrained" and "trained" in mask_types:
             mask_types.remove("trained")
-        rows = [(c, m) for c in caps for m in (mask_types if c < 0.9999 else ["all-on"])]
+        rows = [(c, m) for c in caps for m in (self.row_masks(c, mask_types) if c < 0.9999 else ["all-on"])]
         todo = [(c, m) for c, m in rows
                 if not all(row_key(self.base_record(phase, tokens, batch, c, mm)) in ctx.done_keys
                            for mm in (mask_types if m == "all-on" else [m]))]
@@ -578,9 +578,7 @@ class ModelBench:
                         return step_of(m), ro_reset(reset), {"mode": "reduce-overhead", "_keep": sm}
                     static_v = self.prepare("static", "static", mk_static, extra_bytes, wl)
                     st_shape = holder.get("shape")
-                row_masks = mask_types if cap >= 0.9999 or a.correlated_capacities is None else [
-                    m for m in mask_types if m == "random" or any(abs(cap - c) < 1e-6 for c in a.correlated_capacities)]
-                for masks in (row_masks if cap < 0.9999 else ["all-on"]):
+                for masks in (self.row_masks(cap, mask_types) if cap < 0.9999 else ["all-on"]):
                     if ctx.over_budget():
                         ctx.skip(f"{self.name} {phase} {tokens}x{batch} cap {cap} {masks}: time budget exceeded")
                         break
@@ -712,6 +710,14 @@ class ModelBench:
         del state
         torch._dynamo.reset()
         free(dev)
+
+    def row_masks(self, cap: float, mask_types: list[str]) -> list[str]:
+        """The mask types timed at this capacity (--correlated-capacities limits the non-random ones). The
+        resume check uses the same list, or a workload whose rows are all done would be compiled again."""
+        cc = self.ctx.args.correlated_capacities
+        if cap >= 0.9999 or cc is None:
+            return list(mask_types)
+        return [m for m in mask_types if m == "random" or any(abs(cap - c) < 1e-6 for c in cc)]
 
     def memory_high(self) -> bool:
         free_b, total = torch.cuda.mem_get_info()

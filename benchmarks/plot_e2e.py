@@ -19,21 +19,31 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="one or more e2e JSON files (records are merged, later files win)")
     p.add_argument("--out", default=None, help="output stem (default: the first JSON's path without .json)")
+    p.add_argument("--table", nargs="+", default=[], metavar="MODEL:LAYERS",
+                   help="list the issue's table cells this model/depth still lacks (e.g. llama-3.2-3b:4)")
     a = p.parse_args(argv)
-    data, recs = None, {}
+    data, recs, skipped = None, {}, []
     for f in a.json:
         d = json.loads(Path(f).read_text())
         data = data or d
+        # a run's time-budget skips describe that run only (a later run may have measured the rows): the
+        # merged file lists what is still missing instead (--table); other skips (e.g. TRT missing) stay
+        skipped += [s for s in d.get("skipped", []) if "time budget" not in s and s not in skipped]
         for r in d.get("records", []):
             for k in ("command", "date"):  # merged files: each record keeps the run it came from
                 r.setdefault(k, d.get(k))
             recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"])] = r
     data = dict(data, records=list(recs.values()))
+    if len(a.json) > 1:
+        data["skipped"] = skipped
+    if a.table:
+        data["missing"] = [m for t in a.table for m in R.missing_cells(data["records"], t.rsplit(":", 1)[0],
+                                                                      int(t.rsplit(":", 1)[1]))]
     data["goals"] = R.goals(data["records"])
     stem = Path(a.out) if a.out else Path(a.json[0]).with_suffix("")
     png = R.plot(data, stem.with_suffix(".png"))
     stem.with_suffix(".md").write_text(R.markdown(data))
-    if len(a.json) > 1:
+    if len(a.json) > 1 or a.table:
         stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
     print(f"wrote {png} and {stem.with_suffix('.md')}")
 

@@ -138,16 +138,24 @@ def test_kernel_config_option(tmp_path):
         cm.set_default_overrides(**old)
 
 
-def test_correlated_capacities_option(tmp_path):
-    """--correlated-capacities: random masks at every capacity, the other kinds only at the listed ones."""
+def test_correlated_capacities_option(tmp_path, capsys):
+    """--correlated-capacities: random masks at every capacity, the other kinds only at the listed ones; a
+    --resume of the same command finds every row done and compiles nothing (the H200 run of 2026-12-02
+    re-compiled finished workloads, because the resume check expected correlated rows at every capacity)."""
     import bench_e2e
 
     _register_fake_backend()
-    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "prefill",
-                           "--prefill-batch", "1", "--capacities", "0.75", "0.5", "--variants", "wide", "--no-plot",
-                           "--correlated-capacities", "0.5"])
+    argv = ["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "prefill",
+            "--prefill-batch", "1", "--capacities", "0.75", "0.5", "--variants", "inductor", "wide", "--no-plot",
+            "--correlated-capacities", "0.5"]
+    data = bench_e2e.main(argv)
     assert {(r["capacity"], r["masks"]) for r in data["records"]} == {
         (0.75, "random"), (0.5, "random"), (0.5, "correlated")}
+    capsys.readouterr()
+    again = bench_e2e.main(argv + ["--resume", "--name", "e2e-smoke"])
+    log = capsys.readouterr().out
+    assert "all rows done (resume)" in log and "ready " not in log, log
+    assert again["records"] == json.loads(json.dumps(data["records"]))
 
 
 def test_plot_separates_depths(tmp_path):
@@ -159,3 +167,27 @@ def test_plot_separates_depths(tmp_path):
             for L, c, s in ((32, 0.5, 1.19), (4, 0.5, 1.15), (4, 1.0, 0.92))]
     assert R.plot_panels(recs) == [("llama-3.1-8b", 32, "decode"), ("llama-3.1-8b", 4, "decode")]
     assert R.plot({"records": recs}, tmp_path / "p.png").is_file()
+
+
+def test_missing_cells_and_merge(tmp_path):
+    """plot_e2e's merge keeps each run's rows, drops time-budget skips (a later run may have filled them) and
+    lists the table cells still owed."""
+    import plot_e2e
+    from e2e import report as R
+
+    base = {"model": "m", "layers": 4, "phase": "decode", "tokens": 1024, "batch": 1, "masks": "random",
+            "speedup": 1.0, "static_speedup": 1.2, "dense_inductor_ms": 1.0, "static_ms": 0.8}
+    recs = [dict(base, capacity=c, wide_ms=1.0) for c in (1.0, 0.75, 0.5)] + [dict(base, capacity=0.3, wide_ms=None)]
+    miss = R.missing_cells(recs, "m", 4)
+    assert len(miss) == 10 * 4 - 3 and "m (4 layers) decode 1024x1 cap 0.3" in miss
+    assert "m (4 layers) decode 1024x1 cap 0.5" not in miss
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"records": recs[:2], "command": "run a", "date": "d1",
+                             "skipped": ["m decode 1024x1 cap 0.5+: time budget (5s) exceeded", "trt: not installed"]}))
+    b.write_text(json.dumps({"records": recs[2:], "command": "run b", "date": "d2", "skipped": []}))
+    plot_e2e.main([str(a), str(b), "--out", str(tmp_path / "m"), "--table", "m:4"])
+    out = json.loads((tmp_path / "m.json").read_text())
+    assert out["skipped"] == ["trt: not installed"] and out["missing"] == miss
+    assert {r["command"] for r in out["records"]} == {"run a", "run b"}
+    md = (tmp_path / "m.md").read_text()
+    assert "Not measured yet (37 cells" in md and "time budget" not in md

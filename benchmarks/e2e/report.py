@@ -54,11 +54,12 @@ COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tok
 
 
 def markdown(data: dict) -> str:
-    recs = sorted(data.get("records", []), key=lambda r: (r["model"], r["phase"], r["tokens"], r["batch"],
+    recs = sorted(data.get("records", []), key=lambda r: (r["model"], -r["layers"], r["phase"], r["tokens"], r["batch"],
                                                           -float(r["capacity"]), r["masks"]))
     lines = [f"# End-to-end: WIDE vs Inductor ({data.get('gpu') or data.get('device')})", "",
              f"torch {data.get('torch')}, triton {data.get('triton')}, transformers {data.get('transformers')}, "
-             f"{data.get('dtype')}, {data.get('date')}", "", f"`{data.get('command')}`", "",
+             f"{data.get('dtype')}, {data.get('date')}", ""] + _commands(data, recs) + [
+
              "Times are medians in ms per step (prefill: one forward over tokens x batch, logits of the last "
              "position; decode: one token per sequence against a static KV cache of `tokens` positions). "
              "speedup = Inductor / WIDE; the Inductor column is default mode for prefill and mode="
@@ -83,6 +84,9 @@ def markdown(data: dict) -> str:
             lines.append(f"| {x['phase']} | {x['tokens']} | {x['masks']} | {x['layers']} | {_f(x['speedup'])} | "
                          f"≥{x['goal_speedup']} | {_yn(x['speedup_met'])} | {_f(x['wide_over_static'])} | "
                          f"≤{1 + x['goal_within_static']:.2f} | {_yn(x['within_static_met'])} |")
+    missing = data.get("missing") or []
+    if missing:
+        lines += ["", f"## Not measured yet ({len(missing)} cells of the table)", ""] + [f"- {m}" for m in missing]
     errs = [(r, k, v) for r in recs for k, v in (r.get("errors") or {}).items()]
     skips = data.get("skipped") or []
     if errs or skips:
@@ -99,6 +103,34 @@ def markdown(data: dict) -> str:
         for k, v in sorted(row_skips):
             lines.append(f"- {k}: {v[:300]}")
     return "\n".join(lines) + "\n"
+
+
+# The issue's table: every workload at every capacity (DESIGN.md / issue 6)
+GRID = {"prefill": [(t, b) for t in (512, 2048, 8192) for b in (1, 4)],
+        "decode": [(t, b) for t in (1024, 4096) for b in (1, 8)]}
+GRID_CAPACITIES = (1.0, 0.75, 0.5, 0.3)
+
+
+def missing_cells(records: list[dict], model: str, layers: int, capacities=GRID_CAPACITIES) -> list[str]:
+    """The cells of the issue's table (phase, tokens x batch, capacity) that have no complete WIDE row for
+    this model at this depth, so a merged results file says what is still owed."""
+    done = {(r["phase"], r["tokens"], r["batch"], round(float(r["capacity"]), 3)) for r in records
+            if r["model"] == model and r["layers"] == layers and r.get("wide_ms") is not None}
+    return [f"{model} ({layers} layers) {ph} {t}x{b} cap {c}" for ph, wl in GRID.items() for t, b in wl
+            for c in capacities if (ph, t, b, round(c, 3)) not in done]
+
+
+def _commands(data: dict, recs: list[dict]) -> list[str]:
+    """The command that produced the rows; a merged file lists every run with its date and row count."""
+    runs: dict = {}
+    for r in recs:
+        key = (r.get("date") or data.get("date"), r.get("command") or data.get("command"))
+        runs[key] = runs.get(key, 0) + 1
+    if len(runs) <= 1:
+        return [f"`{data.get('command')}`", ""]
+    out = [f"Rows from {len(runs)} runs (each record's command and date are in the JSON):", ""]
+    out += [f"- {d} ({n} rows): `{c}`" for (d, c), n in sorted(runs.items(), key=lambda x: str(x[0][0]))]
+    return out + [""]
 
 
 def _yn(x):
