@@ -2,18 +2,19 @@
 # The H200 work that is still owed (issues 3-6), cut into device calls that each fit the 10-minute limit
 # and the 64 MiB carry limit (shared/DEVICE.md). Run from the repo root on the GPU machine.
 #
-# Next session (30 min of device time; calls back to back, the machine goes back ~30 s after a call):
-#   call 1  nothing carried                            bash scripts/gpu_calls.sh decode_tuned sweep1        (~8 min)
-#   call 2  nothing carried                            bash scripts/gpu_calls.sh e2e_table                  (~10 min)
-#   call 3  nothing carried                            bash scripts/gpu_calls.sh e2e_table (resumes)        (~10 min)
-# Then, with the GGUF (carry ".gguf/p1" ".whl" ".data/eval", then ".gguf/p2"): setup1, setup2, and the SmolLM2
-# decode row (bench_e2e.py --models smollm2-135m --masks trained --phases decode ...).
+# Next session (30 min of device time; calls back to back, the machine goes back ~30 s after a call, and a
+# start that fails costs 1-2 min; budget ~150 s for each start):
+#   call 1  nothing carried   E2E_MODELS="llama-3.1-8b llama-3.2-3b" E2E_BUDGET=420 bash scripts/gpu_calls.sh e2e_table
+#           (the 12 owed cells: prefill 8192 below capacity 1.0 and 8192 x 4; e2e-h200.md lists them)
+#   call 2  nothing carried   bash scripts/gpu_calls.sh decode_tuned sweep1                        (~8 min)
+#   call 3  nothing carried   bash scripts/gpu_calls.sh e2e_extras  (eager / max-autotune / WIDE eager columns)
 #
 # Done on 2026-12-02: second session: setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Third session: setup1 check_rest
 # kernels (check_rest failed on a defaulted constexpr, fixed) ; setup1 check_rest (passed); setup2
 # smollm2_check (240 s too short); train50 (TRAIN_DEADLINE=470); smollm2_check (passed, 168 s); the SmolLM2
-# e2e prefill row. Calls that need the GGUF must follow setup1/setup2 while the machine is warm (files
+# e2e prefill row. Fourth session: e2e_table (8B, then 3B, then both resumed) and smollm2_decode (after
+# setup1_e2e / setup2). Calls that need the GGUF must follow setup1/setup2 while the machine is warm (files
 # earlier calls left in /root/wcache). Every step writes under $OUT.
 set -uo pipefail
 C=/root/wcache
@@ -99,6 +100,13 @@ step() {
       --layers 4 --variants inductor inductor_cg static wide --correlated-capacities 0.5 \
       --time-budget-s ${E2E_BUDGET:-480} --resume --target-s 0.3 --rounds 3 --out "$C/e2e" >> "$OUT/e2e-table.log" 2>&1
     cp "$C"/e2e/e2e-h200.* "$OUT"/; grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-table.log" | tail -12 ;;
+  e2e_extras)  # issue 6: the variants the table left out (eager dense, max-autotune-no-cudagraphs, WIDE eager),
+               # on one prefill and one decode workload per shape; merge with plot_e2e.py (later files win)
+    timeout 560 python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 --capacities 0.5 \
+      --masks random --prefill-tokens 2048 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 \
+      --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 480 \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras > "$OUT/e2e-extras.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras.log" | tail -12 ;;
   setup1_e2e)  # GGUF part 1 and the wheels only (the SmolLM2 e2e rows need no evaluation data)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)
