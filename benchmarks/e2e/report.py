@@ -54,12 +54,11 @@ COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tok
 
 
 def markdown(data: dict) -> str:
-    recs = sorted(data.get("records", []), key=lambda r: (r["model"], -r["layers"], r["phase"], r["tokens"], r["batch"],
-                                                          -float(r["capacity"]), r["masks"]))
+    recs = sorted(data.get("records", []), key=lambda r: (r["model"], -r["layers"], r["phase"], r["tokens"],
+                                                          r["batch"], -float(r["capacity"]), r["masks"]))
     lines = [f"# End-to-end: WIDE vs Inductor ({data.get('gpu') or data.get('device')})", "",
              f"torch {data.get('torch')}, triton {data.get('triton')}, transformers {data.get('transformers')}, "
              f"{data.get('dtype')}, {data.get('date')}", ""] + _commands(data, recs) + [
-
              "Times are medians in ms per step (prefill: one forward over tokens x batch, logits of the last "
              "position; decode: one token per sequence against a static KV cache of `tokens` positions). "
              "speedup = Inductor / WIDE; the Inductor column is default mode for prefill and mode="
