@@ -3,7 +3,7 @@
 # and the 64 MiB carry limit (shared/DEVICE.md). Run from the repo root on the GPU machine.
 #
 # Next session (30 min of device time; calls back to back, the machine goes back ~30 s after a call, and a
-# start that fails costs 1-2 min; budget ~150 s for each start):
+# start that fails costs 1-2 min; a start took ~175 s of held time on 2026-12-02):
 #   call 1  nothing carried   E2E_MODELS="llama-3.1-8b llama-3.2-3b" E2E_BUDGET=420 bash scripts/gpu_calls.sh e2e_table
 #           (the 12 owed cells: prefill 8192 below capacity 1.0 and 8192 x 4; e2e-h200.md lists them)
 #   call 2  nothing carried   bash scripts/gpu_calls.sh decode_tuned sweep1                        (~8 min)
@@ -25,8 +25,7 @@ export WIDE_SMOLLM2_GGUF=$C/SmolLM2-135M-Instruct.Q4_1.gguf WIDE_CACHE_DIR=$C/hf
 step() {
   case "$1" in
   setup1)  # GGUF part 1, wheels (gguf, lm_eval, ...) and the evaluation data
-    cp .gguf/p1/* "$C"/ && cp -r .data/eval "$C"/eval &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
+    step setup1_e2e && cp -r .data/eval "$C"/eval ;;
   setup2)  # GGUF part 2: join and check
     cp .gguf/p2/* "$C"/ && cat "$C"/part.aa "$C"/part.ab "$C"/part.ac > "$WIDE_SMOLLM2_GGUF" &&
       sha256sum "$WIDE_SMOLLM2_GGUF" | grep -q '^b179c952' && echo "GGUF ok" ;;
@@ -107,7 +106,7 @@ step() {
       --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 480 \
       --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras > "$OUT/e2e-extras.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras.log" | tail -12 ;;
-  setup1_e2e)  # GGUF part 1 and the wheels only (the SmolLM2 e2e rows need no evaluation data)
+  setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)
     timeout ${SMOL_TIMEOUT:-230} python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
