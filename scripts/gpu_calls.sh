@@ -93,10 +93,11 @@ step() {
   e2e_table)  # issue 6: the table (Llama-3.1-8B / Llama-3.2-3B shapes at 4 layers, every workload and capacity),
               # resumable in pieces: the working copy lives in /root/wcache/e2e (kept while the machine is warm),
               # so back-to-back calls continue where the last one stopped; each call returns the whole file so
-              # far. E2E_MODELS picks the models, E2E_BUDGET the seconds (split between prefill and decode).
+              # far. E2E_MODELS picks the models, E2E_PHASES the phases, E2E_BUDGET the seconds (split between the
+              # (model, phase) units).
     mkdir -p "$C/e2e" && { [ -f "$C/e2e/e2e-h200.json" ] || cp benchmarks/results/e2e-h200.json "$C/e2e/"; }
     timeout $(( ${E2E_BUDGET:-480} + 80 )) python3 benchmarks/bench_e2e.py --models ${E2E_MODELS:-llama-3.1-8b} \
-      --layers 4 --variants inductor inductor_cg static wide --correlated-capacities 0.5 \
+      --layers 4 --phases ${E2E_PHASES:-prefill decode} --variants inductor inductor_cg static wide --correlated-capacities 0.5 \
       --time-budget-s ${E2E_BUDGET:-480} --resume --target-s 0.3 --rounds 3 --out "$C/e2e" >> "$OUT/e2e-table.log" 2>&1
     cp "$C"/e2e/e2e-h200.* "$OUT"/; grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-table.log" | tail -12 ;;
   e2e_extras)  # issue 6: the variants the table left out (eager dense, max-autotune-no-cudagraphs, WIDE eager),
