@@ -107,6 +107,18 @@ step() {
       --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 480 \
       --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras > "$OUT/e2e-extras.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras.log" | tail -12 ;;
+  e2e_extras2)  # issue 6: the same columns on the other workloads (8B first; the 3B shape ran out of budget at 512 x 4)
+    timeout 560 python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 --capacities 0.5 \
+      --masks random --prefill-tokens 512 8192 --prefill-batch 1 4 --decode-ctx 4096 --decode-batch 1 8 \
+      --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 500 --no-budget-split \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras2 > "$OUT/e2e-extras2.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras2.log" | tail -12 ;;
+  e2e_extras3)  # issue 6: the 3B workloads e2e_extras2 did not reach (decode first: it needs no autotuning)
+    timeout 170 python3 benchmarks/bench_e2e.py --models llama-3.2-3b --layers 4 --capacities 0.5 --masks random \
+      --phases decode prefill --prefill-tokens 8192 --prefill-batch 1 --decode-ctx 4096 --decode-batch 1 8 \
+      --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 150 --no-budget-split \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras3 > "$OUT/e2e-extras3.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras3.log" | tail -12 ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)
