@@ -222,8 +222,10 @@ def load_text(path: str, max_chars: int = 400_000) -> str:
 
 
 def text_ids(tok, n: int, batch: int = 1) -> torch.Tensor:
-    """Real text for the real SmolLM2 (trained routers): --text-file if given, else a built-in paragraph
-    (repeated to length: repetition makes masks of repeated tokens alike, so prefer a file)."""
+    """Real text for the real SmolLM2 (trained routers): --text-file (default: WikiText-2 valid under the data
+    root, when there is one), else a built-in paragraph (repeated to length: repetition makes masks of
+    repeated tokens alike, so prefer a file). ids: [batch, n], each row its own consecutive piece of the
+    text, so a batch's rows do not share their masks."""
     text = TEXT
     if _TEXT_FILE:
         try:
@@ -231,8 +233,17 @@ def text_ids(tok, n: int, batch: int = 1) -> torch.Tensor:
         except OSError as e:
             log(f"  --text-file {_TEXT_FILE}: {e}; using the built-in paragraph")
     ids = tok(text, return_tensors="pt")["input_ids"][0]
-    reps = (n + ids.numel() - 1) // ids.numel()
-    return ids.repeat(reps)[:n].unsqueeze(0).repeat(batch, 1)
+    reps = (n * batch + ids.numel() - 1) // ids.numel()
+    return ids.repeat(reps)[:n * batch].view(batch, n)
+
+
+def default_text_file() -> str | None:
+    """WikiText-2 valid (raw) under the data root (../shared/data, $WIDE_DATA_DIR or .data), if present."""
+    from wide_compile.training.data import default_data_root
+
+    root = default_data_root()
+    f = root / "wikitext-2" / "wiki.valid.raw" if root else None
+    return str(f) if f is not None and f.is_file() else None
 
 
 # -- KV cache for decode ---------------------------------------------------------------------------
@@ -823,6 +834,7 @@ class ModelBench:
         rec["speedup_vs_graphed_default"] = round(dcg / w, 4) if dcg and w else None
         ma = rec.get("dense_max_autotune_ms")
         rec["speedup_vs_max_autotune"] = round(ma / w, 4) if ma and w else None
+        R.add_best_dense(rec)
         rec["wide_over_static"] = round(w / s, 4) if w and s else None
         rec["peak_mem_mb"] = rec.get("wide_peak_mem_mb")
         rec["compile_s"] = rec.get("wide_compile_s")
@@ -980,7 +992,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     a = parse_args(argv)
     global _TEXT_FILE
-    _TEXT_FILE = a.text_file
+    _TEXT_FILE = a.text_file or default_text_file()
     set_dynamo_limits()
     torch.manual_seed(a.seed)
     if a.kernel_config:
@@ -991,6 +1003,7 @@ def main(argv=None) -> dict:
             raise SystemExit('--kernel-config: a JSON object with "decode" and/or "prefill" keys')
         set_default_overrides(**kc)
     ctx = Ctx(a)
+    ctx.meta["text_file"] = _TEXT_FILE  # the real model's prompt text (None: the built-in paragraph)
     log(f"bench_e2e: {ctx.meta['gpu'] or a.device} torch {ctx.meta['torch']} triton {ctx.meta['triton']} "
         f"transformers {ctx.meta['transformers']}; models {a.models}; phases {a.phases}; caps {a.capacities}; "
         f"masks {a.masks}; variants {a.variants}; layers {a.layers or 'full'}; budget {a.time_budget_s}")

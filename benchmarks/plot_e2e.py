@@ -32,7 +32,8 @@ def main(argv=None):
         for r in d.get("records", []):
             for k in ("command", "date"):  # merged files: each record keeps the run it came from
                 r.setdefault(k, d.get(k))
-            recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"])] = r
+            recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"])] = \
+                R.add_best_dense(r)
     data = dict(data, records=list(recs.values()))
     if len(a.json) > 1:
         data["skipped"] = skipped

@@ -4,18 +4,24 @@
 #
 # Next session (30 min of device time; calls back to back, the machine goes back ~30 s after a call, and a
 # start that fails costs 1-2 min; a start took ~175 s of held time on 2026-12-02):
-#   call 1  nothing carried   E2E_MODELS="llama-3.1-8b llama-3.2-3b" E2E_BUDGET=420 bash scripts/gpu_calls.sh e2e_table
-#           (the 12 owed cells: prefill 8192 below capacity 1.0 and 8192 x 4; e2e-h200.md lists them)
-#   call 2  nothing carried   bash scripts/gpu_calls.sh decode_tuned sweep1                        (~8 min)
-#   call 3  nothing carried   bash scripts/gpu_calls.sh e2e_extras  (eager / max-autotune / WIDE eager columns)
+#   call 1  carry [".gguf/p1", ".whl"]  bash scripts/gpu_calls.sh setup1_e2e e2e_extras4   (~8 min)
+#           (eager / max-autotune / WIDE eager on the six workloads the all-variant runs missed)
+#   call 2  carry [".gguf/p2", ".data/wikitext-2"]  bash scripts/gpu_calls.sh setup2 smollm2_table  (~9 min; must
+#           follow call 1 while the machine is warm: setup2 joins the GGUF parts call 1 left in /root/wcache;
+#           first, here: mkdir -p .data/wikitext-2 && cp ../shared/data/wikitext-2/wiki.valid.raw .data/wikitext-2/
+#           so the prompts are real text, not the built-in paragraph)
+#   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 1>/e2e-h200-extras4a.json
+#           <call 1>/e2e-h200-extras4b.json <call 2>/e2e-h200-smollm2-table.json --out benchmarks/results/e2e-h200
+#           --table llama-3.1-8b:4 llama-3.2-3b:4
 #
 # Done on 2026-12-02: second session: setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Third session: setup1 check_rest
 # kernels (check_rest failed on a defaulted constexpr, fixed) ; setup1 check_rest (passed); setup2
 # smollm2_check (240 s too short); train50 (TRAIN_DEADLINE=470); smollm2_check (passed, 168 s); the SmolLM2
 # e2e prefill row. Fourth session: e2e_table (8B, then 3B, then both resumed) and smollm2_decode (after
-# setup1_e2e / setup2). Calls that need the GGUF must follow setup1/setup2 while the machine is warm (files
-# earlier calls left in /root/wcache). Every step writes under $OUT.
+# setup1_e2e / setup2). Fifth session: e2e_table (E2E_PHASES=prefill: the 12 owed cells), e2e_extras,
+# e2e_extras2, e2e_extras3 + decode_tuned, sweep1, decode_dn256. Calls that need the GGUF must follow
+# setup1/setup2 while the machine is warm (files earlier calls left in /root/wcache). Every step writes under $OUT.
 set -uo pipefail
 C=/root/wcache
 mkdir -p "$C" "${OUT:=out}"
@@ -119,6 +125,28 @@ step() {
       --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 150 --no-budget-split \
       --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras3 > "$OUT/e2e-extras3.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras3.log" | tail -12 ;;
+  e2e_extras4)  # issue 6: the six workloads the all-variant runs did not reach (capacity 0.5, random masks)
+    timeout 560 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --layers 4 --capacities 0.5 --masks random \
+      --prefill-tokens 2048 --prefill-batch 4 --decode-ctx 1024 --decode-batch 8 \
+      --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 150 --no-budget-split \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras4a > "$OUT/e2e-extras4.log" 2>&1
+    timeout 400 python3 benchmarks/bench_e2e.py --models llama-3.2-3b --layers 4 --capacities 0.5 --masks random \
+      --phases decode prefill --prefill-tokens 512 2048 8192 --prefill-batch 4 --decode-ctx 1024 --decode-batch 8 \
+      --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 330 --no-budget-split \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras4b >> "$OUT/e2e-extras4.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras4.log" | tail -12 ;;
+  smollm2_table)  # issue 6: SmolLM2 with its shipped routers on every workload, in one run (max-autotune left out:
+                  # it gained nothing on the 8B / 3B shapes for 22-98 s of compile per workload)
+    timeout 560 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
+      --phases decode prefill --variants eager inductor inductor_cg static wide wide_eager --time-budget-s 500 \
+      --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-smollm2-table \
+      > "$OUT/e2e-smollm2-table.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-table.log" | tail -14 ;;
+  decode_dn256)  # issue 6 (run 2026-12-02): the decode goal row with sweep1's best down-projection tiles
+    timeout 250 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --phases decode --capacities 0.5 \
+      --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static wide \
+      --kernel-config '{"decode": {"dn_bn": 256, "dn_split": 32, "dn_bk": 16, "dn_warps": 4}}' --time-budget-s 220 \
+      --out "$OUT" --name e2e-h200-decode-dn256 > "$OUT/e2e-decode-dn256.log" 2>&1; tail -c 1500 "$OUT/e2e-decode-dn256.log" ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)

@@ -50,6 +50,8 @@ def test_smoke_records(tmp_path):
         assert r["command"] == on_disk["command"] and r["date"] == on_disk["date"]  # each row names its run
         assert r["dense_inductor_ms"] and r["wide_ms"] and r["wide_eager_ms"] and r["eager_dense_ms"], r
         assert r["speedup"] == pytest.approx(r["dense_inductor_ms"] / r["wide_ms"], rel=1e-3)
+        fastest = min(r[k] for k in ("eager_dense_ms", "dense_inductor_ms") if r[k])
+        assert r["speedup_vs_best_dense"] == pytest.approx(fastest / r["wide_ms"], rel=1e-3)
         assert r["static_ms"], r
         assert r["measured_capacity"] == pytest.approx(r["capacity"], abs=0.12)
         assert r["wide_check"]["logits_rel_err"] < 1e-4, r["wide_check"]  # fake backend == eager reference
@@ -191,3 +193,48 @@ def test_missing_cells_and_merge(tmp_path):
     assert {r["command"] for r in out["records"]} == {"run a", "run b"}
     md = (tmp_path / "m.md").read_text()
     assert "Not measured yet (37 cells" in md and "time budget" not in md
+
+
+def test_speedup_vs_best_dense(tmp_path):
+    """WIDE is also compared with the fastest dense variant timed in the same run (eager beats Inductor at
+    long prefill on the H200); variants that were not timed (None) are ignored; the merge fills the field
+    for older records and the table shows it."""
+    import plot_e2e
+    from e2e import report as R
+
+    r = {"eager_dense_ms": 30.0, "dense_inductor_ms": 36.0, "dense_max_autotune_ms": None, "wide_ms": 34.0}
+    assert R.best_dense(r) == ("eager_dense", 30.0, pytest.approx(30 / 34, rel=1e-3))
+    assert R.best_dense({"dense_inductor_ms": 2.0, "dense_inductor_cg_ms": 1.0, "wide_ms": None}) == \
+        ("dense_inductor_cg", 1.0, None)
+    assert R.best_dense({"wide_ms": 1.0}) == (None, None, None)
+    base = {"model": "m", "layers": 4, "phase": "prefill", "tokens": 8192, "batch": 1, "masks": "random",
+            "capacity": 0.5, "static_ms": 20.0, "speedup": 36 / 34}
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"records": [dict(base, **r)], "command": "c", "date": "d"}))
+    plot_e2e.main([str(a), str(a), "--out", str(tmp_path / "m")])
+    rec = json.loads((tmp_path / "m.json").read_text())["records"][0]
+    assert rec["best_dense"] == "eager_dense" and rec["speedup_vs_best_dense"] == pytest.approx(0.8824, abs=1e-4)
+    md = (tmp_path / "m.md").read_text()
+    assert "speedup vs fastest dense" in md and "| 0.88 |" in md
+
+
+def test_text_ids_rows_differ(tmp_path, monkeypatch):
+    """The real model's prompts: each batch row is its own piece of the text (identical rows would share
+    their masks and flatter WIDE at batch > 1), read from --text-file."""
+    import bench_e2e
+
+    class Tok:  # one id per character
+        def __call__(self, text, return_tensors=None):
+            import torch
+
+            return {"input_ids": torch.tensor([[ord(c) % 97 for c in text]])}
+
+    f = tmp_path / "t.txt"
+    f.write_text("".join(chr(33 + i % 90) for i in range(500)))
+    monkeypatch.setattr(bench_e2e, "_TEXT_FILE", str(f))
+    ids = bench_e2e.text_ids(Tok(), 64, batch=4)
+    assert ids.shape == (4, 64)
+    assert len({tuple(r.tolist()) for r in ids}) == 4
+    assert ids[1, 0].item() == (33 + 64 % 90) % 97  # row 1 continues where row 0 ended
+    long = bench_e2e.text_ids(Tok(), 300, batch=2)  # longer than the text: wraps around
+    assert long.shape == (2, 300) and not (long[0] == long[1]).all()

@@ -44,11 +44,36 @@ def goals(records: list[dict]) -> list[dict]:
     return out
 
 
+# the dense variants a record may hold, timed in the same run as WIDE (eager, Inductor default / max-autotune,
+# Inductor + CUDA graphs, torch-tensorrt)
+DENSE_KEYS = ("eager_dense_ms", "dense_inductor_ms", "dense_max_autotune_ms", "dense_inductor_cg_ms", "trt_ms")
+
+
+def best_dense(r: dict) -> tuple[str | None, float | None, float | None]:
+    """(variant, ms, WIDE speedup over it) of the fastest dense variant timed in this record's run. The issue's
+    speedup is over default Inductor; this says how WIDE fares against the best dense option that was measured
+    (e.g. eager beats Inductor at 8192-token prefill). (None, None, None) if no dense variant was timed."""
+    timed = [(r[k], k[:-3]) for k in DENSE_KEYS if isinstance(r.get(k), (int, float)) and r[k] > 0]
+    if not timed:
+        return None, None, None
+    ms, name = min(timed)
+    w = r.get("wide_ms")
+    return name, ms, (round(ms / w, 4) if isinstance(w, (int, float)) and w > 0 else None)
+
+
+def add_best_dense(r: dict) -> dict:
+    """Set `best_dense` and `speedup_vs_best_dense` on a record (older records lack them)."""
+    name, _, sp = best_dense(r)
+    r["best_dense"], r["speedup_vs_best_dense"] = name, sp
+    return r
+
+
 COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tokens"), ("batch", "B"),
         ("capacity", "cap"), ("masks", "masks"), ("measured_capacity", "meas. cap"),
         ("eager_dense_ms", "eager"), ("dense_inductor_ms", "Inductor"), ("dense_max_autotune_ms", "max-autotune"),
         ("dense_inductor_cg_ms", "Ind.+graph"), ("trt_ms", "TRT"), ("static_ms", "static"), ("wide_ms", "WIDE"),
         ("wide_eager_ms", "WIDE eager"), ("speedup", "speedup"), ("speedup_vs_graphed_default", "speedup vs Ind.+graph"),
+        ("speedup_vs_best_dense", "speedup vs fastest dense"),
         ("static_speedup", "static speedup"),
         ("wide_over_static", "WIDE/static"), ("peak_mem_mb", "WIDE mem MB"), ("compile_s", "WIDE compile s")]
 
@@ -61,11 +86,14 @@ def markdown(data: dict) -> str:
              f"{data.get('dtype')}, {data.get('date')}", ""] + _commands(data, recs) + [
              "Times are medians in ms per step (prefill: one forward over tokens x batch, logits of the last "
              "position; decode: one token per sequence against a static KV cache of `tokens` positions). "
-             "speedup = Inductor / WIDE; the Inductor column is default mode for prefill and mode="
+             "speedup = Inductor / WIDE; \"speedup vs fastest dense\" divides the fastest dense variant timed in "
+             "the same run (eager, Inductor, max-autotune, Inductor + graph, TRT) by WIDE; the Inductor column is default mode for prefill and mode="
              "\"reduce-overhead\" (CUDA graphs) for decode; WIDE decode runs in a manual CUDA graph. "
              "p10/p90 and compile times per variant are in the JSON.", "",
              "| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]
     for r in recs:
+        if "speedup_vs_best_dense" not in r:
+            r = add_best_dense(dict(r))
         cells = []
         for k, _ in COLS:
             v = r.get(k)
