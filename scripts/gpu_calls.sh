@@ -10,6 +10,8 @@
 #           follow call 1 while the machine is warm: setup2 joins the GGUF parts call 1 left in /root/wcache;
 #           first, here: mkdir -p .data/wikitext-2 && cp ../shared/data/wikitext-2/wiki.valid.raw .data/wikitext-2/
 #           so the prompts are real text, not the built-in paragraph)
+#   call 3  nothing carried   bash scripts/gpu_calls.sh goals_bf16x2   (~6 min, if the budget allows; keep its
+#           file beside decode-configs/, not merged: its rows have the default goal rows' keys)
 #   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 1>/e2e-h200-extras4a.json
 #           <call 1>/e2e-h200-extras4b.json <call 2>/e2e-h200-smollm2-table.json --out benchmarks/results/e2e-h200
 #           --table llama-3.1-8b:4 llama-3.2-3b:4
@@ -147,6 +149,13 @@ step() {
       --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static wide \
       --kernel-config '{"decode": {"dn_bn": 256, "dn_split": 32, "dn_bk": 16, "dn_warps": 4}}' --time-budget-s 220 \
       --out "$OUT" --name e2e-h200-decode-dn256 > "$OUT/e2e-decode-dn256.log" 2>&1; tail -c 1500 "$OUT/e2e-decode-dn256.log" ;;
+  goals_bf16x2)  # issue 6: both goal rows (32 layers) with the split-bf16 tensor-core routers and default kernels
+                 # (the profile puts the fp32 routers at 4.6 ms of the 52 ms prefill; decode_tuned changed the
+                 # decode lists at the same time, so the routers' own effect is still unmeasured)
+    timeout 420 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --capacities 0.5 --prefill-tokens 2048 \
+      --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static \
+      wide --router-dtype bf16x2 --time-budget-s 380 --out "$OUT" --name e2e-h200-goals-bf16x2 > "$OUT/e2e-goals.log" 2>&1
+    tail -c 1500 "$OUT/e2e-goals.log" ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)
