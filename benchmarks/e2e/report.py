@@ -87,7 +87,8 @@ def markdown(data: dict) -> str:
              "Times are medians in ms per step (prefill: one forward over tokens x batch, logits of the last "
              "position; decode: one token per sequence against a static KV cache of `tokens` positions). "
              "speedup = Inductor / WIDE; \"speedup vs fastest dense\" divides the fastest dense variant timed in "
-             "the same run (eager, Inductor, max-autotune, Inductor + graph, TRT) by WIDE; the Inductor column is default mode for prefill and mode="
+             "the same run (eager, Inductor, max-autotune, Inductor + graph, TRT) by WIDE; the Inductor column "
+             "is default mode for prefill and mode="
              "\"reduce-overhead\" (CUDA graphs) for decode; WIDE decode runs in a manual CUDA graph. "
              "p10/p90 and compile times per variant are in the JSON.", "",
              "| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]
