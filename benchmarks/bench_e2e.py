@@ -672,6 +672,13 @@ class ModelBench:
                             rw["check"] = self.check(wide_v, wide_eager_v)
                         except Exception as e:  # noqa: BLE001
                             rw["errors"]["check"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    if a.check_replay and wide_v is not None and routers is not None:
+                        try:
+                            rw["replay_check"] = self.replay_check(step_of, reset, routers)
+                            log(f"    replay check: {rw['replay_check']}")
+                        except Exception as e:  # noqa: BLE001
+                            rw["errors"]["replay_check"] = f"{type(e).__name__}: {str(e)[:300]}"
+                            log(f"    replay check FAILED: {rw['errors']['replay_check']}")
                     if not extras_timed:
                         extras = {k: v.summary() for k, v in dense_vars.items() if k not in PER_ROW}
                         self._extras = {k: (v.compile_s, v.peak_mem_mb, extras[k]) for k, v in dense_vars.items()
@@ -771,6 +778,45 @@ class ModelBench:
             res["jitter_floor_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
         return res
 
+    def replay_check(self, step_of, reset, routers, tol: float = 0.05) -> dict:
+        """Kernel and pass error alone, at this row's shape and input: the masks the live routers give on the
+        timed input are recorded in the eager WIDE model and replayed (Routers.replay) both there and in a
+        fresh compile with the WIDE backend, so no router decision can flip between the two (the live check
+        above cannot tell flips from kernel error on random-weight models). Relative L2 error of the logits:
+        bf16 rounding gives ~1e-2 or less at these depths (check-compiled-h200.json: 45-52 dB), a wrong
+        group, index or tile gives errors of order 1; `ok` is rel_err < tol."""
+        import wide_compile as wc
+        from wide_compile.routing import record_masks
+
+        a = self.ctx.args
+
+        def logits(m) -> torch.Tensor:
+            if reset:
+                reset()
+            o = step_of(m)()
+            lg = getattr(o, "logits", None)
+            return (o[0] if lg is None else lg).float().clone()
+
+        if reset:
+            reset()
+        with record_masks(self.wide_model) as rec:
+            step_of(self.wide_model)()
+        replay = wc.Routers.replay(self.wide_model, routers.cfg, rec)
+        wc.attach(self.wide_model, replay)
+        try:
+            if a.wide_entry == "optimize":
+                m = wc.optimize(self.wide_model, replay, dynamic=False)
+            else:
+                m = self.compiled(self.wide_model, backend=a.wide_backend)
+            c, e = logits(m), logits(self.wide_model)
+        finally:
+            wc.attach(self.wide_model, routers)  # the live routers again, for the rest of the row
+        rel = ((c - e).norm() / e.norm().clamp_min(1e-30)).item()
+        finite = bool(torch.isfinite(c).all())
+        agree = (c.argmax(-1) == e.argmax(-1)).float().mean().item()
+        return {"logits_rel_err": round(rel, 6), "argmax_agree": round(agree, 4),
+                "finite": finite, "tol": tol, "ok": finite and rel < tol}
+
     def measured_capacity(self, step, reset, routers) -> dict:
         from wide_compile.routing import record_masks
         from wide_compile.routing.measure import capacity_from_record
@@ -853,6 +899,8 @@ class ModelBench:
         rec["recompiled_during_timing"] = bool(recompiled)
         if rw.get("check"):
             rec["wide_check"] = rw["check"]
+        if rw.get("replay_check"):
+            rec["wide_replay_check"] = rw["replay_check"]
         rec["errors"] = rw["errors"]
         rec["skipped"] = rw["skipped"]
         if prof:
@@ -909,6 +957,9 @@ def parse_args(argv=None):
     p.add_argument("--no-budget-split", action="store_true",
                    help="let the first (model, phase) use the whole --time-budget-s (default: each gets a share)")
     p.add_argument("--resume", action="store_true", help="load <out>/<name>.json and skip rows already complete")
+    p.add_argument("--check-replay", action="store_true",
+                   help="per row, also compare compiled WIDE with its eager reference on replayed masks (one more "
+                        "WIDE compile per row): kernel error alone, no router decision can flip")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler table of the top kernels of the WIDE / static / dense steps per row")
     p.add_argument("--profile-steps", type=int, default=5)

@@ -10,8 +10,9 @@
 #           follow call 1 while the machine is warm: setup2 joins the GGUF parts call 1 left in /root/wcache;
 #           first, here: mkdir -p .data/wikitext-2 && cp ../shared/data/wikitext-2/wiki.valid.raw .data/wikitext-2/
 #           so the prompts are real text, not the built-in paragraph)
-#   call 3  nothing carried   bash scripts/gpu_calls.sh goals_bf16x2   (~6 min, if the budget allows; keep its
-#           file beside decode-configs/, not merged: its rows have the default goal rows' keys)
+#   call 3  nothing carried   bash scripts/gpu_calls.sh goals_bf16x2 replay_e2e   (~9 min, if the budget allows;
+#           keep goals_bf16x2's file beside decode-configs/, not merged: its rows have the goal rows' keys;
+#           replay_e2e: compiled vs eager WIDE on replayed masks at the 8B shape, a check, not a table row)
 #   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 1>/e2e-h200-extras4a.json
 #           <call 1>/e2e-h200-extras4b.json <call 2>/e2e-h200-smollm2-table.json --out benchmarks/results/e2e-h200
 #           --table llama-3.1-8b:4 llama-3.2-3b:4
@@ -156,6 +157,13 @@ step() {
       --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static \
       wide --router-dtype bf16x2 --time-budget-s 380 --out "$OUT" --name e2e-h200-goals-bf16x2 > "$OUT/e2e-goals.log" 2>&1
     tail -c 1500 "$OUT/e2e-goals.log" ;;
+  replay_e2e)  # issue 4/6: kernel error alone at benchmark shapes (masks replayed in compiled and eager WIDE;
+               # the live-router check cannot tell flips from kernel error on random weights, E2E_NOTES)
+    timeout 170 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --layers 4 --capacities 0.5 --masks random \
+      --prefill-tokens 2048 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 8 --variants inductor wide \
+      --check-replay --time-budget-s 150 --no-budget-split --target-s 0.2 --rounds 2 --out "$OUT" \
+      --name e2e-h200-replay > "$OUT/e2e-replay.log" 2>&1
+    grep -E "replay check|FAILED|wrote" "$OUT/e2e-replay.log" | tail -8 ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)

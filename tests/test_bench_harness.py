@@ -238,3 +238,36 @@ def test_text_ids_rows_differ(tmp_path, monkeypatch):
     assert ids[1, 0].item() == (33 + 64 % 90) % 97  # row 1 continues where row 0 ended
     long = bench_e2e.text_ids(Tok(), 300, batch=2)  # longer than the text: wraps around
     assert long.shape == (2, 300) and not (long[0] == long[1]).all()
+
+
+_BROKEN = "wide_smoke_broken"
+
+
+def test_replay_check(tmp_path):
+    """--check-replay compares the compiled WIDE model with its eager reference on replayed masks: exact for a
+    backend that runs the traced graph as is, and it fails for one whose output is wrong (logits scaled)."""
+    import bench_e2e
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    _register_fake_backend()
+    if _BROKEN not in _BACKENDS:
+        @register_backend(name=_BROKEN)
+        def _broken(gm, example_inputs):  # noqa: ARG001
+            def run(*args):
+                out = gm.forward(*args)
+                if isinstance(out, (tuple, list)):  # the logits are the floating outputs of the traced graph
+                    return type(out)(o * 1.5 if hasattr(o, "is_floating_point") and o.is_floating_point() else o
+                                     for o in out)
+                return out * 1.5
+            return run
+
+    common = ["--smoke", "--capacities", "0.5", "--masks", "random", "--prefill-batch", "2",
+              "--variants", "inductor", "wide", "--check-replay", "--no-plot"]
+    good = bench_e2e.main(common + ["--out", str(tmp_path / "good"), "--wide-backend", _FAKE])["records"]
+    assert {r["phase"] for r in good} == {"prefill", "decode"}
+    for r in good:
+        rc = r["wide_replay_check"]
+        assert rc["ok"] and rc["logits_rel_err"] < 1e-6 and rc["argmax_agree"] == 1.0, r
+    bad = bench_e2e.main(common + ["--out", str(tmp_path / "bad"), "--wide-backend", _BROKEN])["records"]
+    for r in bad:
+        assert not r["wide_replay_check"]["ok"] and r["wide_replay_check"]["logits_rel_err"] > 0.1, r
