@@ -271,3 +271,14 @@ def test_replay_check(tmp_path):
     bad = bench_e2e.main(common + ["--out", str(tmp_path / "bad"), "--wide-backend", _BROKEN])["records"]
     for r in bad:
         assert not r["wide_replay_check"]["ok"] and r["wide_replay_check"]["logits_rel_err"] > 0.1, r
+
+
+def test_sdpa_causal_check():
+    """benchmarks/sdpa_causal_check.py sees every SDPA call of the eager and the traced model (eager, as
+    transformers calls it, passes is_causal=True and no mask)."""
+    import sdpa_causal_check
+
+    out = sdpa_causal_check.main(["--tokens", "16"])
+    assert len(out["eager"]) == len(out["traced"]) == 2  # the tiny Llama's two layers
+    assert all(c == {"mask": False, "is_causal": True} for c in out["eager"])
+    assert all(set(c) == {"mask", "is_causal"} for c in out["traced"])
