@@ -129,7 +129,7 @@ step() {
       --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras3 > "$OUT/e2e-extras3.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote" "$OUT/e2e-extras3.log" | tail -12 ;;
   e2e_extras4)  # issue 6: the six workloads the all-variant runs did not reach (capacity 0.5, random masks)
-    timeout 560 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --layers 4 --capacities 0.5 --masks random \
+    timeout 170 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --layers 4 --capacities 0.5 --masks random \
       --prefill-tokens 2048 --prefill-batch 4 --decode-ctx 1024 --decode-batch 8 \
       --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s 150 --no-budget-split \
       --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-extras4a > "$OUT/e2e-extras4.log" 2>&1
