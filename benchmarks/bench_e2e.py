@@ -246,6 +246,23 @@ def default_text_file() -> str | None:
     return str(f) if f is not None and f.is_file() else None
 
 
+def step_logits(step, reset=None) -> torch.Tensor:
+    """Run one timed step (after its reset) and return its logits as a float copy."""
+    if reset:
+        reset()
+    o = step()
+    lg = getattr(o, "logits", None)
+    if lg is None:
+        lg = o[0] if isinstance(o, (tuple, list)) else o
+    return lg.float().clone()
+
+
+def compare_logits(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error of x against ref, fraction of positions whose argmax agrees)."""
+    return (((x - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
+            (x.argmax(-1) == ref.argmax(-1)).float().mean().item())
+
+
 # -- KV cache for decode ---------------------------------------------------------------------------
 class DecodeState:
     """A static KV cache filled to `ctx` positions + the fixed inputs of one decode step."""
@@ -745,21 +762,10 @@ class ModelBench:
     def check(self, wide_v: Variant, eager_v: Variant) -> dict:
         """Compiled WIDE vs the eager reference on the timed inputs: relative error of the logits."""
         def logits(v: Variant) -> torch.Tensor:
-            step = v.info.get("raw_step", v.step)
-            if v.reset:
-                v.reset()
-            o = step()
-            lg = getattr(o, "logits", None)
-            if lg is None:
-                lg = o[0] if isinstance(o, (tuple, list)) else o
-            return lg.float().clone()
-
-        def compare(x, ref) -> tuple[float, float]:
-            return (((x - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
-                    (x.argmax(-1) == ref.argmax(-1)).float().mean().item())
+            return step_logits(v.info.get("raw_step", v.step), v.reset)
 
         c, e = logits(wide_v), logits(eager_v)
-        rel, agree = compare(c, e)
+        rel, agree = compare_logits(c, e)
         res = {"logits_rel_err": round(rel, 6), "argmax_agree": round(agree, 4), "finite": bool(torch.isfinite(c).all())}
         # Noise floor of that comparison: the same eager reference with every router bias moved by
         # N(0, 1e-3) (below bf16 rounding of a logit of size ~1). Decisions within that of 0 flip, and in a deep
@@ -771,7 +777,7 @@ class ModelBench:
 
             with M.jittered_router_biases(wc.routing.attached_routers(self.wide_model), 1e-3) as moved:
                 if moved:
-                    j_rel, j_agree = compare(logits(eager_v), e)
+                    j_rel, j_agree = compare_logits(logits(eager_v), e)
                     res["jitter_floor_rel_err"] = round(j_rel, 6)
                     res["jitter_floor_argmax_agree"] = round(j_agree, 4)
         except Exception as ex:  # noqa: BLE001
@@ -789,14 +795,6 @@ class ModelBench:
         from wide_compile.routing import record_masks
 
         a = self.ctx.args
-
-        def logits(m) -> torch.Tensor:
-            if reset:
-                reset()
-            o = step_of(m)()
-            lg = getattr(o, "logits", None)
-            return (o[0] if lg is None else lg).float().clone()
-
         if reset:
             reset()
         with record_masks(self.wide_model) as rec:
@@ -808,12 +806,11 @@ class ModelBench:
                 m = wc.optimize(self.wide_model, replay, dynamic=False)
             else:
                 m = self.compiled(self.wide_model, backend=a.wide_backend)
-            c, e = logits(m), logits(self.wide_model)
+            c, e = step_logits(step_of(m), reset), step_logits(step_of(self.wide_model), reset)
         finally:
             wc.attach(self.wide_model, routers)  # the live routers again, for the rest of the row
-        rel = ((c - e).norm() / e.norm().clamp_min(1e-30)).item()
+        rel, agree = compare_logits(c, e)
         finite = bool(torch.isfinite(c).all())
-        agree = (c.argmax(-1) == e.argmax(-1)).float().mean().item()
         return {"logits_rel_err": round(rel, 6), "argmax_agree": round(agree, 4),
                 "finite": finite, "tol": tol, "ok": finite and rel < tol}
 
