@@ -41,7 +41,8 @@ from triton.testing import do_bench  # noqa: E402
 
 import wide_compile.kernels  # noqa: E402,F401
 from wide_compile.kernels import reference as R  # noqa: E402
-from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
+from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
+from wide_compile.kernels.compact_mlp import DECODE_T, DENSE_MIN_T, mlp_triton  # noqa: E402
 
 CORR_PS = (0.1, 0.01)
 MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS) + ("fitted", "trained")
@@ -57,11 +58,14 @@ MODELS = {
 DEV = "cuda"
 DT = torch.bfloat16
 TS = (1, 4, 16, 128, 2048, 8192)
+# the gather-GEMV decode kernels, forced where the default is the dense small-batch path (DENSE_MIN_T..DECODE_T
+# tokens): the table times both, so the choice of default is measured, not assumed
+GATHER = {"path": "decode", "down": "kskip"}
 DRY = os.environ.get("WIDE_BENCH_DRYRUN") == "1"  # CPU smoke test of this script (tiny shapes)
 if DRY:
     DEV = "cpu"
     MODELS = {"tiny": dict(D=32, F=128, nq=4, nkv=2, hd=16, gs=32, hg=1)}
-    TS = (1, 20)
+    TS = (1, 5, 20)  # 5: the dense small-batch path and the gather path timed beside it
 
 
 _FITTED_RHO: dict = {}
@@ -221,10 +225,10 @@ def correctness(log):
                         got = torch.ops.wide.mask_reorder(m, bm)
                         exp = R.mask_reorder_ref(m, bm)
                         assert all(torch.equal(g_, e_) for g_, e_ in zip(got, exp)), ("mask_reorder", T, bm)
-                    for cfg in ({"path": "tile"}, {"path": "sorted"}) if T > 16 else ():
+                    for cfg in ({"path": "tile"}, {"path": "sorted"}) if T > 16 else (GATHER, {"path": "dense"}):
                         errs["mlp_" + cfg["path"]] = mlp_err(mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=cfg))
                     # candidate configs (not defaults): a failure is recorded, and the default table still runs
-                    for cfg in ({"path": "tile", "lists": "none"},) if T > 16 else ({"lists": "none"},):
+                    for cfg in ({"path": "tile", "lists": "none"},) if T > 16 else (dict(GATHER, lists="none"),):
                         try:
                             ce = mlp_err(mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=cfg))
                         except Exception as ex:  # noqa: BLE001
@@ -300,10 +304,21 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                         "attn_q": graph_time(lambda: torch.ops.wide.q_proj(x, W["wq"], None, ma, cols)),
                         "attn_o": graph_time(lambda: torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols)),
                     }
+                    t_gather = {}
+                    if DENSE_MIN_T <= T <= DECODE_T:  # the default here is dense + mask: time the gather path too
+                        t_gather = {
+                            "mlp": graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=GATHER)),
+                            "attn_q": graph_time(lambda: q_proj_triton(x, W["wq"], None, ma, cols, config=GATHER)),
+                            "attn_o": graph_time(lambda: o_proj_triton(a, W["wo_t"], None, ma, cols, config=GATHER)),
+                        }
                     t_re = graph_time(lambda: torch.ops.wide.mask_reorder(m, 64 if T > 16 else 1))
                     for op in ("mlp", "attn_q", "attn_o"):
                         mm = m if op == "mlp" else ma
-                        recs.append(dict(op=op, model=name, T=T, density=d, masks=mask_label(kind),
+                        extra = {}
+                        if t_gather:
+                            extra = dict(wide_path="dense", gather_ms=t_gather[op],
+                                         gather_speedup=t_dense[op] / t_gather[op])
+                        recs.append(dict(**extra, op=op, model=name, T=T, density=d, masks=mask_label(kind),
                                          mask_model=mask_model_name(kind, G if op == "mlp" else Ga, d),
                                          actual_density=mm.float().mean().item(),
                                          # what a few-token step must read: groups active for any token
@@ -316,7 +331,10 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                                      note="mask_reorder(mask [T,G_ffn], block_m), all 5 outputs"))
                     log(f"{name:13s} T={T:5d} d={d} {kind:10s} mlp dense {t_dense['mlp']:.4f} static {t_static['mlp']:.4f} "
                         f"wide {t_wide['mlp']:.4f} ({t_dense['mlp']/t_wide['mlp']:.2f}x) | q {t_dense['attn_q']/t_wide['attn_q']:.2f}x "
-                        f"o {t_dense['attn_o']/t_wide['attn_o']:.2f}x | reorder {t_re*1e3:.1f}us")
+                        f"o {t_dense['attn_o']/t_wide['attn_o']:.2f}x | reorder {t_re*1e3:.1f}us"
+                        + (f" | gather path: mlp {t_dense['mlp']/t_gather['mlp']:.2f}x q "
+                           f"{t_dense['attn_q']/t_gather['attn_q']:.2f}x o {t_dense['attn_o']/t_gather['attn_o']:.2f}x"
+                           if t_gather else ""))
     var = []
     vkinds = [k for k in kinds if k != "trained"]  # the sweeps run at the 8B shape (no recorded masks)
     if variants:

@@ -164,6 +164,17 @@ step() {
       --check-replay --time-budget-s 150 --no-budget-split --target-s 0.2 --rounds 2 --out "$OUT" \
       --name e2e-h200-replay > "$OUT/e2e-replay.log" 2>&1
     grep -E "replay check|FAILED|wrote" "$OUT/e2e-replay.log" | tail -8 ;;
+  small_batch)  # issue 6: decode batch 8 with the dense small-batch path (compact_mlp.DENSE_MIN_T), 4-layer 8B/3B,
+               # with the replayed-mask check (the dense path's first run inside a compiled model on the GPU),
+               # then the kernel table's T = 4 / 16 rows (dense default beside the forced gather path) as time allows
+    timeout 230 python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 --phases decode \
+      --capacities 0.5 --masks random --decode-ctx 1024 --decode-batch 8 --variants inductor inductor_cg static wide \
+      --check-replay --time-budget-s 200 --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" \
+      --name e2e-h200-small-batch > "$OUT/e2e-small-batch.log" 2>&1
+    grep -E "replay check|speedup|SKIP|FAILED|wrote" "$OUT/e2e-small-batch.log" | tail -8
+    timeout 100 python3 benchmarks/bench_kernels.py --quick --masks random --time-budget-s 60 \
+      --out "$OUT/kernels-small-batch-h200.json" > "$OUT/kernels-small-batch.log" 2>&1
+    grep -E "T=    [1-9] |T=   1[0-9] |FAIL" "$OUT/kernels-small-batch.log" | tail -12 ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)

@@ -63,3 +63,14 @@ def test_phase_overrides_apply_to_their_phase_and_restore():
     finally:
         cm.set_default_overrides(**old)
     assert "lists" not in cm.kernel_config(1, 576, 1536, 64, 576)
+
+
+@pytest.mark.parametrize("T", TS)
+def test_small_batches_default_to_the_dense_path(T):
+    # 4..16 tokens: dense GEMMs + mask (their groups cover nearly every weight row); 1..3: the gather GEMV
+    cfg = cm.default_config(T, *SHAPES["8b-mlp"])
+    if cm.DENSE_MIN_T <= T <= cm.DECODE_T:
+        assert cfg["path"] == "dense" and cfg["down"] == "dense"
+    else:
+        assert cfg["path"] in ("decode", "sorted")
+    assert cm.kernel_config(T, *SHAPES["8b-mlp"], {"path": "decode"})["path"] == "decode"  # caller wins

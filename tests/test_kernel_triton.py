@@ -77,12 +77,12 @@ def mlp_case(T, D, G, gs, density, dtype, config, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("T", [1, 3, 17, 130])
+@pytest.mark.parametrize("T", [1, 3, 4, 16, 17, 130])  # 4 and 16: the default small-batch path is "dense"
 def test_mlp_default_path(T, density, dtype):
     mlp_case(T, D=48, G=4, gs=32, density=density, dtype=dtype, config=None)
 
 
-@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down"])
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down", "dense"])
 @pytest.mark.parametrize("gs", [16, 64, 24])
 @pytest.mark.parametrize("T", [1, 17, 130])
 def test_mlp_paths_group_sizes(T, gs, path):
@@ -108,6 +108,25 @@ def test_mlp_without_reorder_lists(T, path, density, dtype):
     # lists="none": the kernels read the mask themselves (no tile-list launch); inactive groups exit or
     # are predicated off, so the result must equal the reference for every density, all-off included
     mlp_case(T, D=48, G=5, gs=32, density=density, dtype=dtype, config={"path": path, "lists": "none"}, seed=T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4, 9, 16, 37])
+def test_dense_path_never_reads_inactive_groups(T, dtype):
+    # the small-batch dense path selects inactive groups away: a non-finite gate weight of a group no
+    # token uses, or a NaN in an inactive o_proj input column, must not reach the output
+    gen = torch.Generator().manual_seed(T)
+    D, G, gs = 24, 6, 16
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    wg = (torch.randn(G * gs, D, generator=gen) / D ** 0.5).to(dtype)
+    wu = (torch.randn(G * gs, D, generator=gen) / D ** 0.5).to(dtype)
+    wd = (torch.randn(G * gs, D, generator=gen) / (G * gs) ** 0.5).to(dtype)
+    m = make_mask(T, G, 0.5, gen)
+    m[:, 2] = False
+    wg_bad = wg.clone()
+    wg_bad[2 * gs:3 * gs] = float("inf")
+    out = mlp_triton(x, wg_bad, wu, wd, m, gs, config={"path": "dense"})
+    check(out, R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs), dtype)
 
 
 def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
@@ -137,7 +156,7 @@ def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("T", [1, 3, 17, 130])
+@pytest.mark.parametrize("T", [1, 3, 4, 16, 17, 130])
 def test_attn_proj(T, density, dtype):
     attn_case(T, D=40, G=4, cols=32, density=density, dtype=dtype, bias=(T % 2 == 1), seed=T)
 
@@ -149,7 +168,7 @@ def test_attn_proj_without_reorder_lists(T, density):
               config={"path": "decode" if T <= 16 else "tile", "lists": "none"})
 
 
-@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down"])
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down", "dense"])
 @pytest.mark.parametrize("cols", [16, 48, 128])
 def test_attn_paths_cols(cols, path):
     cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dense_masked import mlp_dense_masked
 from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists_triton
 
 
@@ -196,6 +197,9 @@ def _interpret():
 
 # Decode threshold: T <= DECODE_T uses one token tile (gather-GEMV), larger T the prefill kernels.
 DECODE_T = 16
+# From DENSE_MIN_T to DECODE_T tokens the default path is "dense" (dense_masked.py): the tokens' groups
+# together cover nearly every weight row, so the gather GEMV cannot skip and a dense GEMM is faster.
+DENSE_MIN_T = 4
 
 
 # Process-wide config changes per phase ("decode": T <= DECODE_T, "prefill"), set by
@@ -273,7 +277,15 @@ def fit_shared_memory(cfg: dict, elem_size: int, limit: int) -> dict:
 
 
 def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: bool = False):
-    """Kernel tile config.  Tuned on the H200 (see benchmarks/KERNELS_NOTES.md)."""
+    """Kernel tile config.  Tuned on the H200 (see benchmarks/KERNELS_NOTES.md); from DENSE_MIN_T to
+    DECODE_T tokens path="dense" (the tile fields stay, for a caller that overrides the path)."""
+    cfg = _tile_config(T, D, F, group_size, N_out, small)
+    if DENSE_MIN_T <= T <= DECODE_T:
+        cfg.update(path="dense", down="dense")
+    return cfg
+
+
+def _tile_config(T: int, D: int, F: int, group_size: int, N_out: int, small: bool):
     gs2 = triton.next_power_of_2(group_size)
     if small or _interpret():
         return dict(path="decode" if T <= DECODE_T else "sorted", up_bm=16, up_bn=min(32, gs2), up_bk=32,
@@ -362,6 +374,8 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     G = F // group_size
     cfg = kernel_config(T, D, F, group_size, D, config, elem_size=x.element_size(), device=x.device)
     x = x.contiguous()
+    if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway
+        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask.to(torch.bool), group_size)
     mask8 = _as_uint8(mask)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)
