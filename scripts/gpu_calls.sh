@@ -167,9 +167,9 @@ step() {
   small_batch)  # issue 6: decode batch 8 with the dense small-batch path (compact_mlp.DENSE_MIN_T), 4-layer 8B/3B,
                # with the replayed-mask check (the dense path's first run inside a compiled model on the GPU),
                # then the kernel table's T = 4 / 16 rows (dense default beside the forced gather path) as time allows
-    timeout 230 python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 --phases decode \
+    timeout ${SB_TIMEOUT:-230} python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 --phases decode \
       --capacities 0.5 --masks random --decode-ctx 1024 --decode-batch 8 --variants inductor inductor_cg static wide \
-      --check-replay --time-budget-s 200 --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" \
+      --check-replay --time-budget-s $(( ${SB_TIMEOUT:-230} - 30 )) --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" \
       --name e2e-h200-small-batch > "$OUT/e2e-small-batch.log" 2>&1
     grep -E "replay check|speedup|SKIP|FAILED|wrote" "$OUT/e2e-small-batch.log" | tail -8
     timeout 100 python3 benchmarks/bench_kernels.py --quick --masks random --time-budget-s 60 \
