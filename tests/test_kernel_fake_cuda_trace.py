@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton
-from wide_compile.kernels.compact_mlp import mlp_triton
+from wide_compile.kernels.compact_mlp import DECODE_T, DENSE_MIN_T, mlp_triton
 from wide_compile.kernels.reorder import mask_reorder_triton
 
 
@@ -51,7 +51,6 @@ BF16, BOOL = torch.bfloat16, torch.bool
 
 
 def _dense_small_batch(T):
-    from wide_compile.kernels.compact_mlp import DECODE_T, DENSE_MIN_T
     return DENSE_MIN_T <= T <= DECODE_T
 
 

@@ -114,7 +114,7 @@ def test_mlp_without_reorder_lists(T, path, density, dtype):
 @pytest.mark.parametrize("T", [1, 4, 9, 16, 37])
 def test_dense_path_never_reads_inactive_groups(T, dtype):
     # the small-batch dense path selects inactive groups away: a non-finite gate weight of a group no
-    # token uses, or a NaN in an inactive o_proj input column, must not reach the output
+    # token uses must not reach the output (NaN in inactive o_proj input columns: attn_case, path "dense")
     gen = torch.Generator().manual_seed(T)
     D, G, gs = 24, 6, 16
     x = torch.randn(T, D, generator=gen).to(dtype)

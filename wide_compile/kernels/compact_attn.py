@@ -3,8 +3,8 @@
 Attention itself stays dense (SDPA over all heads; K, V always dense): only q_proj computes the
 active head groups' columns (inactive columns are written as exactly 0) and o_proj reads only the
 active groups' input columns / rows of o_proj.weight.T. Small decode batches (path="dense") and the
-prefill o_proj (down="dense") run dense GEMMs with the mask applied (dense_masked.py).  See benchmarks/KERNELS_NOTES.md for
-what dense attention costs next to the projections.
+prefill o_proj (down="dense") run dense GEMMs with the mask applied (dense_masked.py). See
+benchmarks/KERNELS_NOTES.md for what dense attention costs next to the projections.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
     cfg = kernel_config(T, D, Nq, group_cols, Nq, config, elem_size=x.element_size(), device=x.device)
     x = x.contiguous()
     if cfg["path"] == "dense":  # small batches (compact_mlp.DENSE_MIN_T): nothing left to skip
-        return q_proj_dense_masked(x, w_q, b_q, mask.to(torch.bool), group_cols)
+        return q_proj_dense_masked(x, w_q, b_q, mask, group_cols)
     mask8 = _as_uint8(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
     ngather(x, w_q, None, b_q, out, mask8, G, group_cols, cfg, gated=False,
@@ -43,6 +43,6 @@ def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, 
     cfg = kernel_config(T, D, Nq, group_rows, D, config, elem_size=a.element_size(), device=a.device)
     a = a.contiguous()
     if cfg["path"] == "dense" or cfg.get("down") == "dense":  # small batches, prefill: mask, one cuBLAS GEMM
-        return o_proj_dense_masked(a, w_o_t, b_o, mask.to(torch.bool), group_rows)
+        return o_proj_dense_masked(a, w_o_t, b_o, mask, group_rows)
     mask8 = _as_uint8(mask)
     return kskip(a, w_o_t, b_o, mask8, G, group_rows, cfg, a.dtype, wrap)

@@ -375,7 +375,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     cfg = kernel_config(T, D, F, group_size, D, config, elem_size=x.element_size(), device=x.device)
     x = x.contiguous()
     if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway
-        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask.to(torch.bool), group_size)
+        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size)
     mask8 = _as_uint8(mask)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)

@@ -5,7 +5,8 @@ Used where per-token masks leave nothing to skip:
   the union of the groups that 4 tokens need covers 1 - (1 - c)^4 of the weight rows (94 % at capacity
   0.5), so the gather GEMV reads almost every row anyway and runs at 0.74-0.90x of cuBLAS at T = 4
   (benchmarks/results/kernels-h200.json); one dense GEMM plus a select costs what dense costs;
-* the prefill reduction side (config down="dense"): no 128-token tile leaves a group inactive.
+* the prefill o_proj (config down="dense"): no 128-token tile leaves a head group inactive (the prefill MLP's
+  reduction side is a dense GEMM too, over the h its gather kernel zero-fills: compact_mlp.mlp_triton).
 
 Same semantics as reference.py: inactive groups contribute exactly 0 (a select, never a multiply, so a
 non-finite value in an inactive group cannot leak), h is rounded to the input dtype once, after
@@ -20,11 +21,12 @@ import torch.nn.functional as F
 
 
 def _select(t: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
-    """t [T, G*group] where mask [T, G] else exactly 0; a [T, G, group] view, no expanded mask is built."""
+    """t [T, G*group] where mask [T, G] (bool or uint8) else exactly 0; a [T, G, group] view, no expanded
+    mask is built."""
     T, N = t.shape
     G = mask.shape[1]
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    return torch.where(mask.reshape(T, G, 1), t.reshape(T, G, group), zero).view(T, N)
+    return torch.where(mask.to(torch.bool).reshape(T, G, 1), t.reshape(T, G, group), zero).view(T, N)
 
 
 def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int) -> torch.Tensor:
