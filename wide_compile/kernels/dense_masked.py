@@ -25,8 +25,8 @@ def _select(t: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
     mask is built."""
     T, N = t.shape
     G = mask.shape[1]
-    zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    return torch.where(mask.to(torch.bool).reshape(T, G, 1), t.reshape(T, G, group), zero).view(T, N)
+    # a Python 0, not a 0-d tensor: eager would launch a fill kernel for the tensor on every call
+    return torch.where(mask.to(torch.bool).reshape(T, G, 1), t.reshape(T, G, group), 0).view(T, N)
 
 
 def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int) -> torch.Tensor:
