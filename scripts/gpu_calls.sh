@@ -9,7 +9,7 @@
 #   call 1  carry [".gguf/p1", ".whl"]   bash scripts/gpu_calls.sh setup1_e2e
 #   call 2  carry [".gguf/p2", ".data/wikitext-2"]   bash scripts/gpu_calls.sh setup2 smollm2_rest_b   (~5.5 min)
 #   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 2>/e2e-h200-smollm2-rest-b.json
-#           --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4
+#           --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4 smollm2-135m:30:0.5
 #
 # Done on 2026-12-02: second session: setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Third session: setup1 check_rest
