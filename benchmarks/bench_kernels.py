@@ -189,7 +189,10 @@ def graph_time(fn, warm=3):
 
 def compiled_time(fn):
     """graph_time of fn compiled by Inductor (default mode, static shapes, one graph): what the op costs
-    inside a compiled model, where Inductor traces the triton_op bodies and fuses their elementwise ops."""
+    inside a compiled model, where Inductor traces the triton_op bodies and fuses their elementwise ops.
+    Dynamo's cache is cleared first: the lambdas of one line share a code object, so without the reset the
+    table's shapes would pile up recompiles on it until Dynamo's recompile limit sent the rest to eager."""
+    torch._dynamo.reset()
     return graph_time(torch.compile(fn, fullgraph=True, dynamic=False))
 
 
