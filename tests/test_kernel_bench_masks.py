@@ -116,10 +116,12 @@ def test_compiled_mode_times_every_op_through_inductor(bench, monkeypatch):
     monkeypatch.setattr(torch, "compile", spy)
     # one recompile allowed per code object: the lambdas of one source line share one, so two token counts
     # in one run must not make Dynamo fall back to eager for the second (compiled_time resets its cache)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    # (config.patch, not monkeypatch: monkeypatch's undo would delattr the config entry, which the config
+    # module serves through __getattr__, and every later compile would fail)
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    recs, _ = bench.bench(True, lambda s: None, {}, kinds=("random",), ts=(5, 6), compiled=True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        recs, _ = bench.bench(True, lambda s: None, {}, kinds=("random",), ts=(5, 6), compiled=True)
     ops = [r for r in recs if r["op"] in ("mlp", "attn_q", "attn_o")]
     assert len(ops) == 6 and all(r["compiled"] is True and r["wide_ms"] > 0 and r["gather_ms"] > 0 for r in ops)
     assert len(compiled_fns) == 18  # dense, static, WIDE x (mlp, q, o) x 2 T; not the gather path, not the reorder
