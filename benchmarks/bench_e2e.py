@@ -828,7 +828,8 @@ class ModelBench:
     def base_record(self, phase, tokens, batch, cap, masks) -> dict:
         return {"model": self.name, "layers": self.layers, "weights": self.weights, "phase": phase,
                 "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks,
-                "router_dtype": self.ctx.args.router_dtype, "kernel_config": self.ctx.args.kernel_config}
+                "router_dtype": self.ctx.args.router_dtype, "kernel_config": self.ctx.args.kernel_config,
+                "attention": self.ctx.args.attention}
 
     def fill(self, rec, ref, static_v, wide_v, wide_eager_v, st_shape, measured, routers, rw, recompiled, prof,
              shared_measurement=False, cg=None):
@@ -994,6 +995,10 @@ def parse_args(argv=None):
     p.add_argument("--kernel-config", default=None, metavar="JSON",
                    help='WIDE kernel config changes per phase for the whole run, e.g. \'{"decode": {"lists": "none"}}\' '
                         "(wide_compile.kernels.compact_mlp.set_default_overrides; recorded in every record)")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "sdpa_unpadded"),
+                   help="attention of every variant: transformers' SDPA path (default; compiled models get an "
+                        "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "
+                        "queries and keys have the same length (unpadded prefill; e2e/attention.py)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "
@@ -1042,6 +1047,7 @@ def main(argv=None) -> dict:
     global _TEXT_FILE
     _TEXT_FILE = a.text_file or default_text_file()
     set_dynamo_limits()
+    MD.set_attention(a.attention)  # before any model is built: every variant runs the same attention
     torch.manual_seed(a.seed)
     if a.kernel_config:
         from wide_compile.kernels.compact_mlp import set_default_overrides

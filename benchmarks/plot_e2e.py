@@ -42,8 +42,9 @@ def main(argv=None):
         for r in d.get("records", []):
             for k in ("command", "date"):  # merged files: each record keeps the run it came from
                 r.setdefault(k, d.get(k))
-            recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"])] = \
-                R.add_best_dense(r)
+            # a run with another attention setting (e2e/attention.py) is another row, never a replacement
+            recs[(r["model"], r["layers"], r["phase"], r["tokens"], r["batch"], r["capacity"], r["masks"],
+                  r.get("attention", "sdpa"))] = R.add_best_dense(r)
     data = dict(data, records=list(recs.values()))
     if len(a.json) > 1:
         data["skipped"] = skipped

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does a traced (torch.compile) Llama call SDPA the way the eager model does?
 
-    python benchmarks/sdpa_causal_check.py [--tokens 64]
+    python benchmarks/sdpa_causal_check.py [--tokens 64] [--attention sdpa_unpadded]
 
 Runs a tiny HF Llama once eagerly, with scaled_dot_product_attention spied on, and once through
 torch.compile with a backend that only reads the FX graph, and prints for each: whether SDPA got an explicit
@@ -14,18 +14,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from wide_compile.models.tiny import tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e.attention import ATTENTIONS  # noqa: E402
+from e2e.attention import use as use_attention  # noqa: E402
+
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
+                   help="sdpa_unpadded: bench_e2e.py's --attention setting (e2e/attention.py)")
     a = p.parse_args(argv)
     model = tiny_model("llama", seed=0).eval()
+    model.config._attn_implementation = use_attention(a.attention)
     ids = torch.randint(1, 128, (1, a.tokens))
 
     eager_calls = []
@@ -57,6 +66,7 @@ def main(argv=None) -> dict:
     import transformers
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__, "tokens": a.tokens,
+           "attention": a.attention,
            "eager": eager_calls, "traced": traced_calls}
     print(json.dumps(out))
     return out

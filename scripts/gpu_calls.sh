@@ -9,6 +9,8 @@
 #   call 1  carry [".gguf/p1", ".whl"]   bash scripts/gpu_calls.sh setup1_e2e
 #   call 2  carry [".gguf/p2", ".data/wikitext-2"]   bash scripts/gpu_calls.sh setup2 smollm2_rest_b   (~5.5 min)
 #   call 3  (optional, nothing carried, ~4 min)   bash scripts/gpu_calls.sh kernels_compiled
+#   call 4  (optional, nothing carried, ~5.5 min)   bash scripts/gpu_calls.sh e2e_sdpa_unpadded   (its own results
+#           file: benchmarks/results/sdpa-unpadded/; plot_e2e keeps its rows apart from the default ones)
 #   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 2>/e2e-h200-smollm2-rest-b.json
 #           --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4 smollm2-135m:30:0.5
 #
@@ -203,6 +205,15 @@ step() {
     timeout ${KC_TIMEOUT:-240} python3 benchmarks/bench_kernels.py --quick --masks random --ts 1 4 16 --compiled \
       --time-budget-s $(( ${KC_TIMEOUT:-240} - 60 )) --out "$OUT/kernels-compiled-h200.json" > "$OUT/kernels-compiled.log" 2>&1
     grep -E "T=    [1-9] |T=   1[0-9] |FAIL|Error" "$OUT/kernels-compiled.log" | tail -12 ;;
+  e2e_sdpa_unpadded)  # issue 6: prefill with SDPA's causal kernel in every variant (--attention sdpa_unpadded,
+                      # e2e/attention.py), beside the default rows: how much of the 8192-token gap between eager
+                      # and every compiled model is the traced explicit mask, and what WIDE's ratio is without it
+    timeout ${EU_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 \
+      --phases prefill --prefill-tokens 8192 2048 --prefill-batch 1 --capacities 0.5 --masks random \
+      --variants eager inductor static wide wide_eager --attention sdpa_unpadded \
+      --time-budget-s $(( ${EU_TIMEOUT:-330} - 30 )) --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" \
+      --name e2e-h200-sdpa-unpadded > "$OUT/e2e-sdpa-unpadded.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-sdpa-unpadded.log" | tail -8 ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)

@@ -120,6 +120,31 @@ def test_smoke_bf16_routers(tmp_path):
     assert all(r["wide_ms"] and r["measured_capacity"] for r in recs), recs
 
 
+def test_attention_option(tmp_path):
+    """--attention sdpa_unpadded: every variant's model runs it, the records say so, and plot_e2e keeps such a
+    row beside the default run's row of the same workload (never replaces it); the goals and the by-capacity
+    table read the default rows only."""
+    import bench_e2e
+    import plot_e2e
+    from e2e import models as MD
+    from e2e import report as R
+
+    _register_fake_backend()
+    args = ["--smoke", "--wide-backend", _FAKE, "--prefill-batch", "1", "--phases", "prefill", "--capacities", "0.5",
+            "--masks", "random"]
+    unp = bench_e2e.main(args + ["--out", str(tmp_path / "u"), "--attention", "sdpa_unpadded"])
+    assert MD.ATTENTION == "sdpa_unpadded"
+    assert unp["records"] and all(r["attention"] == "sdpa_unpadded" and r["wide_ms"] for r in unp["records"])
+    std = bench_e2e.main(args + ["--out", str(tmp_path / "s")])
+    assert MD.ATTENTION == "sdpa" and all(r["attention"] == "sdpa" for r in std["records"])
+    plot_e2e.main([str(tmp_path / "s" / "e2e-smoke.json"), str(tmp_path / "u" / "e2e-smoke.json"),
+                   "--out", str(tmp_path / "m")])
+    merged = json.loads((tmp_path / "m.json").read_text())["records"]
+    assert sorted(r["attention"] for r in merged) == ["sdpa", "sdpa_unpadded"]
+    assert "tiny (attention sdpa_unpadded)" in (tmp_path / "m.md").read_text()
+    assert len(R.capacity_table(merged, layers=merged[0]["layers"])) == 3  # header, rule, the default row
+
+
 def test_kernel_config_option(tmp_path):
     """--kernel-config sets the process-wide per-phase kernel overrides for the run and every record says so;
     a malformed value is refused before anything runs."""
@@ -288,6 +313,47 @@ def test_sdpa_causal_check():
     assert len(out["eager"]) == len(out["traced"]) == 2  # the tiny Llama's two layers
     assert all(c == {"mask": False, "is_causal": True} for c in out["eager"])
     assert all(set(c) == {"mask", "is_causal"} for c in out["traced"])
+    # bench_e2e --attention sdpa_unpadded: the traced prefill calls SDPA as eager does
+    out = sdpa_causal_check.main(["--tokens", "16", "--attention", "sdpa_unpadded"])
+    assert out["attention"] == "sdpa_unpadded" and len(out["traced"]) == 2
+    assert all(c == {"mask": False, "is_causal": True} for c in out["eager"] + out["traced"])
+
+
+def test_sdpa_unpadded_attention_matches_sdpa_and_is_rewritten():
+    """e2e/attention.py's sdpa_unpadded: the same logits as transformers' SDPA in prefill (causal kernel, no
+    mask) and in decode against a static cache (mask kept: keys outnumber queries), and the WIDE pass still
+    finds and rewrites the attention (compiled == eager WIDE reference)."""
+    import torch
+    import wide_compile as wc
+    from e2e.attention import use
+    from transformers import StaticCache
+    from wide_compile.models import tiny_model
+
+    from test_passes_models import CFG
+
+    base, unp = tiny_model("llama", seed=4), tiny_model("llama", seed=4)
+    unp.config._attn_implementation = use("sdpa_unpadded")
+    ids = torch.randint(0, 128, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(unp(input_ids=ids, use_cache=False).logits,
+                                   base(input_ids=ids, use_cache=False).logits, atol=1e-6, rtol=1e-6)
+        outs = []
+        for m in (base, unp):
+            cache = StaticCache(config=m.config, max_cache_len=16)
+            m(input_ids=ids, past_key_values=cache, use_cache=True)
+            outs.append(m(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits)
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    routers = wc.Routers.init(unp, CFG, seed=3)
+    ref = tiny_model("llama", seed=4)
+    ref.config._attn_implementation = "sdpa_unpadded"
+    wc.attach(ref, routers)
+    cm = wc.optimize(unp, routers, inductor=False)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids, use_cache=False).logits,
+                                   ref(input_ids=ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+    assert all(r["attn"]["status"] == "rewritten" for r in wc.explain(cm).layers)
+    with pytest.raises(ValueError, match="expected one of"):
+        use("flash")
 
 
 def test_capacity_table_is_ratios_of_records():

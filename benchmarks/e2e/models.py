@@ -14,6 +14,17 @@ import math
 import torch
 from torch import nn
 
+# `_attn_implementation` of every model built here (bench_e2e.py --attention, e2e/attention.py)
+ATTENTION = "sdpa"
+
+
+def set_attention(name: str) -> None:
+    global ATTENTION
+    from .attention import use
+
+    ATTENTION = use(name)
+
+
 # name -> LlamaConfig fields. rope scaling (llama3) is left out: it does not change any timing.
 SHAPES: dict[str, dict] = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -40,7 +51,7 @@ def make_config(shape: str | dict, layers: int | None = None, max_positions: int
         fields["num_hidden_layers"] = int(layers)
     fields.update(overrides)
     cfg = tf.LlamaConfig(max_position_embeddings=max_positions, attention_bias=False, mlp_bias=False, **fields)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = ATTENTION
     return cfg
 
 
@@ -89,7 +100,7 @@ def build_model(config, device, dtype, seed: int = 0) -> nn.Module:
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     random_init_(model, seed)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = ATTENTION
     return model.eval().requires_grad_(False)
 
 
@@ -169,7 +180,7 @@ def build_static(config, capacity: float, device, dtype, seed: int = 1):
     cfg.num_attention_heads = st.num_heads
     cfg.intermediate_size = st.intermediate_size
     cfg.head_dim = hd
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = ATTENTION
     return build_model(cfg, device, dtype, seed), st
 
 
@@ -179,7 +190,7 @@ def load_smollm2_real(device, dtype, gguf: str | None = None):
     from wide_compile.models import load_smollm2
 
     model, tok = load_smollm2(dtype=dtype, device=device, gguf_path=gguf, download=False)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = ATTENTION
     return model.eval().requires_grad_(False), tok
 
 

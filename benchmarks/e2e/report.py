@@ -29,6 +29,7 @@ def goals(records: list[dict]) -> list[dict]:
     out = []
     for phase, g in GOALS.items():
         rows = [r for r in records if r.get("model") == "llama-3.1-8b" and r.get("phase") == phase
+                and r.get("attention", "sdpa") == "sdpa"  # the goals compare against the model as users run it
                 and r.get("batch") == 1 and abs(float(r.get("capacity", 0)) - 0.5) < 1e-6
                 and (g["tokens"] is None or r.get("tokens") in g["tokens"])]
         for r in rows:
@@ -98,6 +99,8 @@ def markdown(data: dict) -> str:
         cells = []
         for k, _ in COLS:
             v = r.get(k)
+            if k == "model" and r.get("attention", "sdpa") != "sdpa":  # e2e/attention.py: not the default run
+                v = f"{v} (attention {r['attention']})"
             nd = 3 if k.endswith("_ms") else 2
             if k == "peak_mem_mb" or k == "compile_s":
                 nd = 0 if k == "peak_mem_mb" else 1
@@ -146,7 +149,8 @@ def missing_cells(records: list[dict], model: str, layers: int, capacities=GRID_
     """The cells of the issue's table (phase, tokens x batch, capacity) that have no complete WIDE row for
     this model at this depth, so a merged results file says what is still owed."""
     done = {(r["phase"], r["tokens"], r["batch"], round(float(r["capacity"]), 3)) for r in records
-            if r["model"] == model and r["layers"] == layers and r.get("wide_ms") is not None}
+            if r["model"] == model and r["layers"] == layers and r.get("wide_ms") is not None
+            and r.get("attention", "sdpa") == "sdpa"}
     return [f"{model} ({layers} layers) {ph} {t}x{b} cap {c}" for ph, wl in GRID.items() for t, b in wl
             for c in capacities if (ph, t, b, round(c, 3)) not in done]
 
@@ -158,7 +162,7 @@ def capacity_table(records: list[dict], layers: int = 4, masks: str = "random",
     first capacity timed). Each cell is one record's ratio, so every figure traces back to a run."""
     cells: dict = {}
     for r in records:
-        if r.get("layers") == layers and r.get("masks") == masks:
+        if r.get("layers") == layers and r.get("masks") == masks and r.get("attention", "sdpa") == "sdpa":
             key = (r["model"], r["phase"] != "prefill", r["tokens"], r["batch"])
             cells.setdefault(key, {})[round(float(r["capacity"]), 3)] = r
     if not cells:
