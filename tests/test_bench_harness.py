@@ -354,6 +354,18 @@ def test_sdpa_unpadded_attention_matches_sdpa_and_is_rewritten():
     assert all(r["attn"]["status"] == "rewritten" for r in wc.explain(cm).layers)
     with pytest.raises(ValueError, match="expected one of"):
         use("flash")
+    # a sliding-window mask is kept even when queries and keys have the same length (Mistral passes the window)
+    from e2e.attention import sdpa_unpadded_attention
+
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    band = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
+    mod = torch.nn.Module()
+    out, _ = sdpa_unpadded_attention(mod, q, k, v, band[None, None], sliding_window=3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band[None, None])
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    out, _ = sdpa_unpadded_attention(mod, q, k, v, band[None, None])  # no window: the causal kernel
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, causal.transpose(1, 2), atol=1e-6, rtol=1e-6)
 
 
 def test_capacity_table_is_ratios_of_records():

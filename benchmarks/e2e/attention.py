@@ -22,7 +22,8 @@ def sdpa_unpadded_attention(module, query, key, value, attention_mask, **kwargs)
     Tq == Tk (no cached positions, so the mask can only be the causal one)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.shape[2] == key.shape[2]:
+    # a sliding-window mask (Mistral-style) is not the causal one even without cached positions: keep it
+    if query.shape[2] == key.shape[2] and kwargs.get("sliding_window") is None:
         attention_mask = None  # sdpa_attention_forward then passes is_causal=True (Tq > 1)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
