@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from e2e import masks as M  # noqa: E402
 from e2e import models as MD  # noqa: E402
+from e2e.attention import ATTENTIONS  # noqa: E402
 from e2e import report as R  # noqa: E402
 from e2e.timing import (MemTracker, Variant, cuda_graph_step, first_call, free, is_cuda,  # noqa: E402
                         profile_step, sync, time_interleaved, warmup)
@@ -995,7 +996,7 @@ def parse_args(argv=None):
     p.add_argument("--kernel-config", default=None, metavar="JSON",
                    help='WIDE kernel config changes per phase for the whole run, e.g. \'{"decode": {"lists": "none"}}\' '
                         "(wide_compile.kernels.compact_mlp.set_default_overrides; recorded in every record)")
-    p.add_argument("--attention", default="sdpa", choices=("sdpa", "sdpa_unpadded"),
+    p.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                    help="attention of every variant: transformers' SDPA path (default; compiled models get an "
                         "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "
                         "queries and keys have the same length (unpadded prefill; e2e/attention.py)")

@@ -144,20 +144,14 @@ step() {
       --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-smollm2-table \
       > "$OUT/e2e-smollm2-table.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-table.log" | tail -14 ;;
-  smollm2_rest)  # issue 6: the six SmolLM2 workloads smollm2_table did not reach (~130 s of compiles each, so the
-                 # graphed dense variant, which prefill does not use, is left out)
-    timeout 560 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
-      --phases prefill decode --prefill-tokens 512 2048 8192 --prefill-batch 1 4 --decode-ctx 4096 --decode-batch 8 \
-      --variants eager inductor static wide wide_eager --time-budget-s 500 --no-budget-split --target-s 0.3 \
-      --rounds 3 --out "$OUT" --name e2e-h200-smollm2-rest > "$OUT/e2e-smollm2-rest.log" 2>&1
-    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-rest.log" | tail -14 ;;
-  smollm2_rest_a)  # issue 6: smollm2_rest cut to fit one call: prefill 512 and 8192 tokens at batch 1 and 4
+  smollm2_rest_a)  # issue 6: four of the six SmolLM2 workloads smollm2_table did not reach (~130 s of compiles
+                  # each, so two calls): prefill 512 and 8192 tokens at batch 1 and 4
     timeout 560 python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
       --phases prefill --prefill-tokens 512 8192 --prefill-batch 1 4 \
       --variants eager inductor static wide wide_eager --time-budget-s 510 --no-budget-split --target-s 0.3 \
       --rounds 3 --out "$OUT" --name e2e-h200-smollm2-rest-a > "$OUT/e2e-smollm2-rest-a.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-smollm2-rest-a.log" | tail -14 ;;
-  smollm2_rest_b)  # issue 6: the rest of smollm2_rest: decode 4096 x 8 (graphed dense beside it) and prefill 2048 x 4
+  smollm2_rest_b)  # issue 6: the other two: decode 4096 x 8 (graphed dense beside it) and prefill 2048 x 4
     timeout ${SMOL_B_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --models smollm2-135m --masks trained --capacities 0.5 \
       --phases decode prefill --prefill-tokens 2048 --prefill-batch 4 --decode-ctx 4096 --decode-batch 8 \
       --variants eager inductor inductor_cg static wide wide_eager --time-budget-s $(( ${SMOL_B_TIMEOUT:-330} - 30 )) \
