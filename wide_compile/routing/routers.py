@@ -22,6 +22,15 @@ FORMAT_VERSION = 1
 _BIG = 30.0  # logit magnitude of a constant router: sigmoid(30) == 1 in fp32
 
 
+# Fewest tokens for which a split-bf16 router (Routers.split_bf16_) runs its bf16 pair. A single token
+# reads the same bytes either way (fp32 [G, D] or bf16 [2G, D]) and gains nothing from tensor cores, and on
+# the H200 the fp32 GEMV was faster: Llama-3.1-8B-shape decode at batch 1 (32 layers, capacity 0.5) took
+# 4.96 ms with fp32 routers and 5.26 ms with the pair (dense Inductor 5.93 / 5.88 ms in the same runs).
+# From 8 tokens on the pair wins (batch-8 decode 1.37 -> 1.31 ms, 2048-token prefill 52.3 -> 47.4 ms).
+# benchmarks/results/router-dtype/ has the runs.
+SPLIT_MIN_ROWS = 2
+
+
 def split_bf16(w: torch.Tensor) -> torch.Tensor:
     """fp32 weight [G, D] -> bf16 [2G, D]: rows :G = bf16(w), rows G: = bf16(w - bf16(w)); the pair holds w
     to about 2^-16 relative (16 mantissa bits instead of bf16's 8)."""
@@ -67,13 +76,16 @@ class GroupRouter(nn.Module):
             return 2 * (self.dim * self.hidden + self.hidden * self.groups)
         return 2 * self.dim * self.groups
 
-    def split_for(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The bf16 weight pair (Routers.split_bf16_) when it applies to inputs of `dtype`, else None."""
+    def split_for(self, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor | None:
+        """The bf16 weight pair (Routers.split_bf16_) when it applies to inputs of `dtype` with `rows` tokens
+        (None: unknown, e.g. a symbolic size), else None: the fp32 router then runs."""
         ok = self.w_split is not None and dtype == torch.bfloat16 == self.w_split.dtype
+        if rows is not None and rows < SPLIT_MIN_ROWS:
+            ok = False
         return self.w_split if ok else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        w2 = self.split_for(h.dtype)
+        w2 = self.split_for(h.dtype, h.numel() // max(h.shape[-1], 1))
         if w2 is not None:
             return split_logits(h, w2, self.proj.bias)
         x = h.to(self.proj.weight.dtype)
