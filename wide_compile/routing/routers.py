@@ -26,7 +26,9 @@ _BIG = 30.0  # logit magnitude of a constant router: sigmoid(30) == 1 in fp32
 # reads the same bytes either way (fp32 [G, D] or bf16 [2G, D]) and gains nothing from tensor cores, and on
 # the H200 the fp32 GEMV was faster: Llama-3.1-8B-shape decode at batch 1 (32 layers, capacity 0.5) took
 # 4.96 ms with fp32 routers and 5.26 ms with the pair (dense Inductor 5.93 / 5.88 ms in the same runs).
-# From 8 tokens on the pair wins (batch-8 decode 1.37 -> 1.31 ms, 2048-token prefill 52.3 -> 47.4 ms).
+# From 8 tokens on the pair wins (batch-8 decode 1.37 -> 1.31 ms in one call; 2048-token prefill 52.3 -> 47.4 ms
+# in two runs whose dense times are within 3 %);
+# 2-7 tokens are not timed.
 # benchmarks/results/router-dtype/ has the runs.
 SPLIT_MIN_ROWS = 2
 
