@@ -107,6 +107,20 @@ def last_dim(n) -> int | None:
     return int(d) if isinstance(d, int) else None
 
 
+def static_rows(n) -> int | None:
+    """Rows (tokens) of a node's value [..., D] when every leading size is static, else None. Dynamo
+    specializes sizes 0 and 1, so a symbolic size is >= 2 and None means at least two rows."""
+    v = meta(n)
+    if v is None or v.dim() == 0:
+        return None
+    rows = 1
+    for s in v.shape[:-1]:
+        if not isinstance(s, int):
+            return None
+        rows *= s
+    return rows
+
+
 def describe(n: fx.Node | None) -> str:
     if n is None:
         return "?"

@@ -9,10 +9,9 @@ ValueError.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
-from ._graph import last_dim, meta
+from ._graph import last_dim, meta, static_rows
 from .manager import Pass, PassContext, log
 
 
@@ -42,16 +41,6 @@ class NoRoutersError(ValueError):
     pass
 
 
-def _static_rows(v: torch.Tensor) -> int | None:
-    """Tokens in a router input [..., D] when its size is static, else None (GroupRouter.split_for)."""
-    n = 1
-    for s in v.shape[:-1]:
-        if not isinstance(s, int):
-            return None
-        n *= s
-    return n
-
-
 def _router_node(ctx: PassContext, router, x, tag: str):
     from ..routing.routers import ConstantRouter, GroupRouter, ReplayRouter
 
@@ -71,7 +60,7 @@ def _router_node(ctx: PassContext, router, x, tag: str):
             args = (x, const(router.proj_in.weight, "w1"), const(router.proj_in.bias, "b1"),
                     const(router.proj.weight, "w2"), const(router.proj.bias, "b2"))
             return ctx.weights.call(mlp_router_mask, args)
-        w2 = router.split_for(meta(x).dtype, _static_rows(meta(x))) if meta(x) is not None else None
+        w2 = router.split_for(meta(x).dtype, static_rows(x)) if meta(x) is not None else None
         if w2 is not None:
             return ctx.weights.call(split_router_mask, (x, const(w2, "w2"), const(router.proj.bias, "b")))
         return ctx.weights.call(linear_router_mask, (x, const(router.proj.weight, "w"), const(router.proj.bias, "b")))

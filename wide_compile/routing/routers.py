@@ -80,7 +80,8 @@ class GroupRouter(nn.Module):
 
     def split_for(self, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor | None:
         """The bf16 weight pair (Routers.split_bf16_) when it applies to inputs of `dtype` with `rows` tokens
-        (None: unknown, e.g. a symbolic size), else None: the fp32 router then runs."""
+        (None: unknown; in a traced graph a symbolic size, which Dynamo guarantees is >= 2), else None: the
+        fp32 router then runs."""
         ok = self.w_split is not None and dtype == torch.bfloat16 == self.w_split.dtype
         if rows is not None and rows < SPLIT_MIN_ROWS:
             ok = False
