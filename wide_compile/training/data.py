@@ -19,19 +19,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve()
+from ..paths import data_root
 
 
 def default_data_root() -> Path | None:
-    """../shared/data relative to the checkout (or $WIDE_DATA_DIR), if it exists."""
-    env = os.environ.get("WIDE_DATA_DIR")
-    cands = [Path(env)] if env else []
-    repo = HERE.parents[2]
-    cands += [repo.parent / "shared" / "data", repo / ".data", Path.cwd() / ".data", Path.cwd().parent / "shared" / "data"]
-    for c in cands:
-        if c.is_dir():
-            return c
-    return None
+    """The data root (wide_compile.paths.data_root: $WIDE_DATA_DIR or ../shared/data), if it exists."""
+    return root if (root := data_root()).is_dir() else None
 
 
 def train_text_files(path: str | os.PathLike | None = None) -> list[Path]:
