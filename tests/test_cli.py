@@ -200,6 +200,17 @@ def test_chat_template_is_used_and_special_tokens_are_stripped():
     assert [p for p, _ in pieces] == ["w3"]
 
 
+def test_generation_on_a_terminal_is_coloured_without_numbers():
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    cli.print_generation(Console(file=buf, force_terminal=True, color_system="truecolor"), [("Paris", 0.1), (" is", 0.9)])
+    out = buf.getvalue()
+    assert "\x1b[" in out and "Paris" in out and "[0.10]" not in out
+
+
 def test_demo_on_cpu_plain_output(monkeypatch, capsys):
     """Non-TTY output: per-token compute as text, no special tokens, no timing, no progress bars."""
     import wide_compile.models as models
