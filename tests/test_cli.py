@@ -246,3 +246,9 @@ def test_data_root_is_one_variable(monkeypatch, tmp_path):
     monkeypatch.setenv("WIDE_DATA", str(tmp_path))
     with pytest.warns(DeprecationWarning, match="WIDE_DATA_DIR"):
         assert data_root() == tmp_path
+
+
+def test_train_stage_help_reaches_the_stage(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "stage1", "--help"])
+    assert e.value.code == 0 and "--capacity" in capsys.readouterr().out  # stage 1's own options
