@@ -3,8 +3,8 @@
 Public API (each backed by a ``torch.ops.wide.*`` op):
 
     wide_mlp(x, w_gate, w_up, w_down_t, mask, group_size)
-    wide_q_proj(x, w_q, b_q, mask, group_cols)
-    wide_o_proj(a, w_o_t, b_o, mask, group_rows)
+    wide_q_proj(x, w_q, b_q, mask, group_size)
+    wide_o_proj(a, w_o_t, b_o, mask, group_size)
     mask_reorder(mask, block_m)
 """
 from .ops import wide_mlp, wide_q_proj, wide_o_proj, mask_reorder  # noqa: F401
