@@ -49,6 +49,10 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
     from . import backend as _backend
 
+    if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
+        from .kernels.tuning import resolve
+
+        resolve(options["kernel_config"])
     if router_dtype is not None:
         target = routers if routers is not None else attached_routers(model)
         if target is not None:
