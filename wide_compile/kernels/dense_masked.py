@@ -1,7 +1,7 @@
 """Dense GEMMs with the group mask applied to their result: the path for what compact kernels cannot skip.
 
 Used where per-token masks leave nothing to skip:
-* small batches of decode tokens (DENSE_MIN_T <= T <= DECODE_T, config path="dense"): with per-token masks
+* small batches of decode tokens (the tuning tables' path="dense" rows, 4 to 16 tokens): with per-token masks
   the union of the groups that 4 tokens need covers 1 - (1 - c)^4 of the weight rows (94 % at capacity
   0.5), so the gather GEMV reads almost every row anyway and loses to cuBLAS (benchmarks/results/);
   one dense GEMM plus a select costs what dense costs;
