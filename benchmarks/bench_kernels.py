@@ -1,4 +1,4 @@
-"""Benchmark + correctness check of the WIDE kernels on a CUDA GPU (H200).
+"""Benchmark + correctness check of the WIDE kernels on a CUDA GPU.
 
     python benchmarks/bench_kernels.py [--quick] [--variants] [--out results.json]
 
@@ -45,7 +45,8 @@ from triton.testing import do_bench  # noqa: E402
 import wide_compile.kernels  # noqa: E402,F401
 from wide_compile.kernels import reference as R  # noqa: E402
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
-from wide_compile.kernels.compact_mlp import DECODE_T, DENSE_MIN_T, mlp_triton  # noqa: E402
+from wide_compile.kernels.compact_mlp import default_config, mlp_triton  # noqa: E402
+from wide_compile.kernels.tuning import FIELDS, KernelTuning, as_arg, device_key, resolve, CONFIG_DIR  # noqa: E402
 
 CORR_PS = (0.1, 0.01)
 MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS) + ("fitted", "trained")
@@ -61,8 +62,8 @@ MODELS = {
 DEV = "cuda"
 DT = torch.bfloat16
 TS = (1, 4, 16, 128, 2048, 8192)
-# the gather-GEMV decode kernels, forced where the default is the dense small-batch path (DENSE_MIN_T..DECODE_T
-# tokens): the table times both, so the choice of default is measured, not assumed
+# the gather-GEMV decode kernels, forced where the tuning table's default is the dense small-batch path: the
+# results time both, so the choice of default is measured, not assumed
 GATHER = {"path": "decode", "down": "kskip"}
 DRY = os.environ.get("WIDE_BENCH_DRYRUN") == "1"  # CPU smoke test of this script (tiny shapes)
 if DRY:
@@ -256,139 +257,200 @@ def correctness(log):
     return worst
 
 
+def _time_dense(timed, W, x, a):
+    """dense_ms per op: cuBLAS on the full matrices (+ silu * mul for the MLP)."""
+    wd, wo = W["wd_t"].t().contiguous(), W["wo_t"].t().contiguous()
+    return {
+        "mlp": timed(lambda: F.linear(F.silu(F.linear(x, W["wg"])) * F.linear(x, W["wu"]), wd)),
+        "attn_q": timed(lambda: F.linear(x, W["wq"])),
+        "attn_o": timed(lambda: F.linear(a, wo)),
+    }
+
+
+def _time_static(timed, W, spec, x, a, d):
+    """static_ms per op: cuBLAS on the first density*groups groups (a statically pruned model)."""
+    gs, cols = spec["gs"], spec["hg"] * spec["hd"]
+    G, Ga = spec["F"] // gs, spec["nq"] // spec["hg"]
+    wd, wo = W["wd_t"].t().contiguous(), W["wo_t"].t().contiguous()
+    Fs, Ns = max(gs, round(d * G) * gs), max(cols, round(d * Ga) * cols)
+    wgs, wus, wds = W["wg"][:Fs].contiguous(), W["wu"][:Fs].contiguous(), wd[:, :Fs].contiguous()
+    wqs, wos, as_ = W["wq"][:Ns].contiguous(), wo[:, :Ns].contiguous(), a[:, :Ns].contiguous()
+    return {
+        "mlp": timed(lambda: F.linear(F.silu(F.linear(x, wgs)) * F.linear(x, wus), wds)),
+        "attn_q": timed(lambda: F.linear(x, wqs)),
+        "attn_o": timed(lambda: F.linear(as_, wos)),
+    }
+
+
+def _attention_record(name, spec, W, x, a, T, t_dense_mlp, log):
+    """Dense causal SDPA next to the four projections: what WIDE leaves dense costs this much."""
+    q4 = torch.randn(1, spec["nq"], T, spec["hd"], device=DEV, dtype=DT)
+    k4 = torch.randn(1, spec["nkv"], T, spec["hd"], device=DEV, dtype=DT)
+    v4 = torch.randn_like(k4)
+    wo = W["wo_t"].t().contiguous()
+    t_sdpa = graph_time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True))
+    t_qkvo = graph_time(lambda: (F.linear(x, W["wq"]), F.linear(x, W["wk"]), F.linear(x, W["wv"]), F.linear(a, wo)))
+    log(f"{name:13s} T={T:5d} SDPA {t_sdpa:.3f} ms vs q/k/v/o proj {t_qkvo:.3f} ms, mlp {t_dense_mlp:.3f} ms")
+    return dict(op="attention", model=name, T=T, density=1.0, masks="-", dense_ms=t_sdpa, static_ms=None,
+                wide_ms=t_sdpa, speedup=1.0, qkvo_dense_ms=t_qkvo, mlp_dense_ms=t_dense_mlp,
+                note="dense causal SDPA (GQA); WIDE keeps attention dense")
+
+
+def _time_wide(timed, W, spec, x, a, m, ma, T, tuning):
+    """wide_ms per op (the ops with the tuning handed in), and, where the table's default is the dense
+    small-batch path, the gather path timed too (gather_ms)."""
+    gs, cols = spec["gs"], spec["hg"] * spec["hd"]
+    tj = as_arg(tuning)
+    t_wide = {
+        "mlp": timed(lambda: torch.ops.wide.mlp(x, W["wg"], W["wu"], W["wd_t"], m, gs, tj)),
+        "attn_q": timed(lambda: torch.ops.wide.q_proj(x, W["wq"], None, ma, cols, tj)),
+        "attn_o": timed(lambda: torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols, tj)),
+    }
+    t_gather = {}
+    if default_config(T, spec["D"], spec["F"], gs, spec["D"], tuning)["path"] == "dense":
+        # eager in both modes: the gather path is Triton launches only, nothing for Inductor to fuse
+        kw = dict(config=GATHER, tuning=tuning)
+        t_gather = {
+            "mlp": graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, **kw)),
+            "attn_q": graph_time(lambda: q_proj_triton(x, W["wq"], None, ma, cols, **kw)),
+            "attn_o": graph_time(lambda: o_proj_triton(a, W["wo_t"], None, ma, cols, **kw)),
+        }
+    return t_wide, t_gather
+
+
+def _op_records(name, spec, T, d, kind, m, ma, compiled, t_dense, t_static, t_wide, t_gather):
+    G, Ga = spec["F"] // spec["gs"], spec["nq"] // spec["hg"]
+    recs = []
+    for op in ("mlp", "attn_q", "attn_o"):
+        mm = m if op == "mlp" else ma
+        extra = {}
+        if t_gather:
+            extra = dict(wide_path="dense", gather_ms=t_gather[op], gather_speedup=t_dense[op] / t_gather[op])
+        recs.append(dict(**extra, op=op, model=name, T=T, density=d, masks=mask_label(kind), compiled=compiled,
+                         mask_model=mask_model_name(kind, G if op == "mlp" else Ga, d),
+                         actual_density=mm.float().mean().item(),
+                         # what a few-token step must read: groups active for any token
+                         union_density=mm.any(0).float().mean().item(),
+                         dense_ms=t_dense[op], static_ms=t_static[op], wide_ms=t_wide[op],
+                         speedup=t_dense[op] / t_wide[op], vs_static=t_static[op] / t_wide[op]))
+    return recs
+
+
+def _log_row(log, name, T, d, kind, t_dense, t_static, t_wide, t_gather, t_re):
+    r = {op: t_dense[op] / t_wide[op] for op in t_wide}
+    line = (f"{name:13s} T={T:5d} d={d} {kind:10s} mlp dense {t_dense['mlp']:.4f} static {t_static['mlp']:.4f} "
+            f"wide {t_wide['mlp']:.4f} ({r['mlp']:.2f}x) | q {r['attn_q']:.2f}x o {r['attn_o']:.2f}x | "
+            f"reorder {t_re*1e3:.1f}us")
+    if t_gather:
+        g = {op: t_dense[op] / t_gather[op] for op in t_gather}
+        line += f" | gather path: mlp {g['mlp']:.2f}x q {g['attn_q']:.2f}x o {g['attn_o']:.2f}x"
+    log(line)
+
+
 def bench(quick, log, variants, kinds=MASK_KINDS, deadline=float("inf"), save=lambda recs: None, ts=None,
-          compiled=False):
+          compiled=False, tuning=None):
     gen = torch.Generator(device=DEV).manual_seed(1)
     recs = []
-    Ts = tuple(ts) if ts else TS
     timed = compiled_time if compiled else graph_time
     dens = (0.5,) if quick else (0.25, 0.5, 0.75)
     for name, spec in MODELS.items():
         W = weights(spec, gen)
-        D, Fd, gs = spec["D"], spec["F"], spec["gs"]
-        Nq, cols = spec["nq"] * spec["hd"], spec["hg"] * spec["hd"]
-        G, Ga = Fd // gs, spec["nq"] // spec["hg"]
-        for T in Ts:
+        G, Ga = spec["F"] // spec["gs"], spec["nq"] // spec["hg"]
+        for T in tuple(ts) if ts else TS:
             if time.time() > deadline:
                 log(f"time budget spent: {name} T={T} and later not measured")
                 break
             save(recs)  # a run cut short by the device's limit still returns every finished row
-            x = torch.randn(T, D, device=DEV, generator=gen).to(DT)
-            a = torch.randn(T, Nq, device=DEV, generator=gen).to(DT)
-
-            wd = W["wd_t"].t().contiguous()
-            wo = W["wo_t"].t().contiguous()
-            t_dense = {
-                "mlp": timed(lambda: F.linear(F.silu(F.linear(x, W["wg"])) * F.linear(x, W["wu"]), wd)),
-                "attn_q": timed(lambda: F.linear(x, W["wq"])),
-                "attn_o": timed(lambda: F.linear(a, wo)),
-            }
+            x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
+            a = torch.randn(T, spec["nq"] * spec["hd"], device=DEV, generator=gen).to(DT)
+            t_dense = _time_dense(timed, W, x, a)
             if T in (2048, 8192) or (DRY and T == 20):
-                q4 = torch.randn(1, spec["nq"], T, spec["hd"], device=DEV, dtype=DT)
-                k4 = torch.randn(1, spec["nkv"], T, spec["hd"], device=DEV, dtype=DT)
-                v4 = torch.randn_like(k4)
-                t_sdpa = graph_time(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True))
-                t_qkvo = graph_time(lambda: (F.linear(x, W["wq"]), F.linear(x, W["wk"]), F.linear(x, W["wv"]), F.linear(a, wo)))
-                recs.append(dict(op="attention", model=name, T=T, density=1.0, masks="-", dense_ms=t_sdpa,
-                                 static_ms=None, wide_ms=t_sdpa, speedup=1.0, qkvo_dense_ms=t_qkvo,
-                                 mlp_dense_ms=t_dense["mlp"], note="dense causal SDPA (GQA); WIDE keeps attention dense"))
-                log(f"{name:13s} T={T:5d} SDPA {t_sdpa:.3f} ms vs q/k/v/o proj {t_qkvo:.3f} ms, mlp {t_dense['mlp']:.3f} ms")
+                recs.append(_attention_record(name, spec, W, x, a, T, t_dense["mlp"], log))
             for d in dens:
-                Fs = max(gs, round(d * G) * gs)
-                Ns = max(cols, round(d * Ga) * cols)
-                wgs, wus = W["wg"][:Fs].contiguous(), W["wu"][:Fs].contiguous()
-                wds = wd[:, :Fs].contiguous()
-                wqs = W["wq"][:Ns].contiguous()
-                wos = wo[:, :Ns].contiguous()
-                as_ = a[:, :Ns].contiguous()
-                t_static = {
-                    "mlp": timed(lambda: F.linear(F.silu(F.linear(x, wgs)) * F.linear(x, wus), wds)),
-                    "attn_q": timed(lambda: F.linear(x, wqs)),
-                    "attn_o": timed(lambda: F.linear(as_, wos)),
-                }
+                t_static = _time_static(timed, W, spec, x, a, d)
                 for kind in kinds:
                     if kind == "trained" and (trained_mask(T, G, d) is None or trained_mask(T, Ga, d) is None):
                         continue  # recorded router masks exist for SmolLM2's group counts only
-                    m = make_mask(T, G, d, kind, gen)
-                    ma = make_mask(T, Ga, d, kind, gen)
-                    t_wide = {
-                        "mlp": timed(lambda: torch.ops.wide.mlp(x, W["wg"], W["wu"], W["wd_t"], m, gs)),
-                        "attn_q": timed(lambda: torch.ops.wide.q_proj(x, W["wq"], None, ma, cols)),
-                        "attn_o": timed(lambda: torch.ops.wide.o_proj(a, W["wo_t"], None, ma, cols)),
-                    }
-                    t_gather = {}
-                    if DENSE_MIN_T <= T <= DECODE_T:  # the default here is dense + mask: time the gather path too
-                        # eager in both modes: the gather path is Triton launches only, nothing for Inductor
-                        # to fuse (and the forced config cannot pass through the compiled op's signature)
-                        t_gather = {
-                            "mlp": graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, gs, config=GATHER)),
-                            "attn_q": graph_time(lambda: q_proj_triton(x, W["wq"], None, ma, cols, config=GATHER)),
-                            "attn_o": graph_time(lambda: o_proj_triton(a, W["wo_t"], None, ma, cols, config=GATHER)),
-                        }
+                    m, ma = make_mask(T, G, d, kind, gen), make_mask(T, Ga, d, kind, gen)
+                    t_wide, t_gather = _time_wide(timed, W, spec, x, a, m, ma, T, tuning)
                     t_re = graph_time(lambda: torch.ops.wide.mask_reorder(m, 64 if T > 16 else 1))
-                    for op in ("mlp", "attn_q", "attn_o"):
-                        mm = m if op == "mlp" else ma
-                        extra = {}
-                        if t_gather:
-                            extra = dict(wide_path="dense", gather_ms=t_gather[op],
-                                         gather_speedup=t_dense[op] / t_gather[op])
-                        recs.append(dict(**extra, op=op, model=name, T=T, density=d, masks=mask_label(kind),
-                                         compiled=compiled,
-                                         mask_model=mask_model_name(kind, G if op == "mlp" else Ga, d),
-                                         actual_density=mm.float().mean().item(),
-                                         # what a few-token step must read: groups active for any token
-                                         union_density=mm.any(0).float().mean().item(),
-                                         dense_ms=t_dense[op], static_ms=t_static[op], wide_ms=t_wide[op],
-                                         speedup=t_dense[op] / t_wide[op], vs_static=t_static[op] / t_wide[op]))
+                    recs += _op_records(name, spec, T, d, kind, m, ma, compiled, t_dense, t_static, t_wide, t_gather)
                     recs.append(dict(op="reorder", model=name, T=T, density=d, masks=mask_label(kind),
-                                    mask_model=mask_model_name(kind, G, d), dense_ms=None,
-                                     static_ms=None, wide_ms=t_re, speedup=None,
-                                     note="mask_reorder(mask [T,G_ffn], block_m), all 5 outputs"))
-                    log(f"{name:13s} T={T:5d} d={d} {kind:10s} mlp dense {t_dense['mlp']:.4f} static {t_static['mlp']:.4f} "
-                        f"wide {t_wide['mlp']:.4f} ({t_dense['mlp']/t_wide['mlp']:.2f}x) | q {t_dense['attn_q']/t_wide['attn_q']:.2f}x "
-                        f"o {t_dense['attn_o']/t_wide['attn_o']:.2f}x | reorder {t_re*1e3:.1f}us"
-                        + (f" | gather path: mlp {t_dense['mlp']/t_gather['mlp']:.2f}x q "
-                           f"{t_dense['attn_q']/t_gather['attn_q']:.2f}x o {t_dense['attn_o']/t_gather['attn_o']:.2f}x"
-                           if t_gather else ""))
+                                     mask_model=mask_model_name(kind, G, d), dense_ms=None, static_ms=None,
+                                     wide_ms=t_re, speedup=None, note="mask_reorder(mask [T,G_ffn], block_m), all 5 outputs"))
+                    _log_row(log, name, T, d, kind, t_dense, t_static, t_wide, t_gather, t_re)
+    var = sweep_components(log, variants, kinds, gen, tuning) + sweep_variants(log, variants, kinds, gen, tuning)
+    return recs, var
+
+
+def sweep_components(log, variants, kinds, gen, tuning):
+    """gate/up (gather kernel) and down (K-skip kernel) of the table's config, each next to cuBLAS."""
+    if not variants:
+        return []
+    from wide_compile.kernels.compact_mlp import kskip, ngather
+
     var = []
     vkinds = [k for k in kinds if k != "trained"]  # the sweeps run at the 8B shape (no recorded masks)
-    if variants:
-        from wide_compile.kernels.compact_mlp import default_config, ngather, kskip
-        spec = next(iter(MODELS.values()))
-        W = weights(spec, gen)
-        G, gs = spec["F"] // spec["gs"], spec["gs"]
-        for T in [t for t in ((1, 8192) if not DRY else (1, 20)) if t in variants or DRY]:
-            x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
-            h = torch.randn(T, spec["F"], device=DEV, generator=gen).to(DT)
-            wd = W["wd_t"].t().contiguous()
-            for kind in vkinds:
-                m = make_mask(T, G, 0.5, kind, gen)
-                m8 = m.view(torch.uint8)
-                cfg = default_config(T, spec["D"], spec["F"], gs, spec["D"])
-                hb = torch.empty_like(h)
-                t_up = graph_time(lambda: ngather(x, W["wg"], W["wu"], None, hb, m8, G, gs, cfg, True, False, False))
-                t_dn = graph_time(lambda: kskip(h, W["wd_t"], None, m8, G, gs, cfg, DT, False))
-                t_cup = graph_time(lambda: (F.linear(x, W["wg"]), F.linear(x, W["wu"])))
-                t_cdn = graph_time(lambda: F.linear(h, wd))
-                var.append(dict(T=T, masks=kind, component="gate_up", wide_ms=t_up, dense_ms=t_cup))
-                var.append(dict(T=T, masks=kind, component="down", wide_ms=t_dn, dense_ms=t_cdn))
-                log(f"component T={T} {kind:10s} gate_up wide {t_up:.4f} dense {t_cup:.4f} | down wide {t_dn:.4f} dense {t_cdn:.4f}")
-        spec = next(iter(MODELS.values()))
-        W = weights(spec, gen)
-        G = spec["F"] // spec["gs"]
-        for T, cfgs in variants.items():
-            x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
-            for kind in vkinds:
-                m = make_mask(T, G, 0.5, kind, gen)
-                for cfg in cfgs:
-                    try:
-                        t = graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, spec["gs"], config=cfg))
-                    except Exception as e:  # noqa: BLE001
-                        t = None
-                        log(f"variant failed {cfg}: {type(e).__name__}: {str(e)[:200]}")
-                    var.append(dict(T=T, masks=kind, config=cfg, wide_ms=t))
-                    log(f"variant T={T} {kind:10s} {t if t is None else round(t, 4)} {cfg}")
-    return recs, var
+    spec = next(iter(MODELS.values()))
+    W = weights(spec, gen)
+    G, gs = spec["F"] // spec["gs"], spec["gs"]
+    for T in [t for t in ((1, 8192) if not DRY else (1, 20)) if t in variants or DRY]:
+        x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
+        h = torch.randn(T, spec["F"], device=DEV, generator=gen).to(DT)
+        wd = W["wd_t"].t().contiguous()
+        for kind in vkinds:
+            m8 = make_mask(T, G, 0.5, kind, gen).view(torch.uint8)
+            cfg = default_config(T, spec["D"], spec["F"], gs, spec["D"], tuning)
+            hb = torch.empty_like(h)
+            t_up = graph_time(lambda: ngather(x, W["wg"], W["wu"], None, hb, m8, G, gs, cfg, True, False, False))
+            t_dn = graph_time(lambda: kskip(h, W["wd_t"], None, m8, G, gs, cfg, DT, False))
+            t_cup = graph_time(lambda: (F.linear(x, W["wg"]), F.linear(x, W["wu"])))
+            t_cdn = graph_time(lambda: F.linear(h, wd))
+            var.append(dict(T=T, masks=kind, component="gate_up", wide_ms=t_up, dense_ms=t_cup))
+            var.append(dict(T=T, masks=kind, component="down", wide_ms=t_dn, dense_ms=t_cdn))
+            log(f"component T={T} {kind:10s} gate_up wide {t_up:.4f} dense {t_cup:.4f} | down wide {t_dn:.4f} dense {t_cdn:.4f}")
+    return var
+
+
+def sweep_variants(log, variants, kinds, gen, tuning):
+    """The Llama MLP at density 0.5 with each candidate override of the table's row (and {} = the row)."""
+    var = []
+    vkinds = [k for k in kinds if k != "trained"]
+    spec = next(iter(MODELS.values()))
+    W = weights(spec, gen)
+    G = spec["F"] // spec["gs"]
+    for T, cfgs in variants.items():
+        x = torch.randn(T, spec["D"], device=DEV, generator=gen).to(DT)
+        for kind in vkinds:
+            m = make_mask(T, G, 0.5, kind, gen)
+            for cfg in [{}, *cfgs]:
+                try:
+                    t = graph_time(lambda: mlp_triton(x, W["wg"], W["wu"], W["wd_t"], m, spec["gs"], config=cfg,
+                                                      tuning=tuning))
+                except Exception as e:  # noqa: BLE001
+                    t = None
+                    log(f"variant failed {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                var.append(dict(T=T, masks=kind, config=cfg, wide_ms=t))
+                log(f"variant T={T} {kind:10s} {t if t is None else round(t, 4)} {cfg}")
+    return var
+
+
+def tuned_table(tuning, var, device: str) -> KernelTuning:
+    """The table with, for each swept T, the variant fastest over the mask kinds (summed; a variant that
+    failed for any kind is out) applied from T on: a row of its own starting at T unless T starts one."""
+    rows = {t: dict(c) for t, c in tuning.rows}
+    for T in sorted({v["T"] for v in var if "config" in v}):
+        tot: dict = {}
+        for v in var:
+            if v.get("T") == T and "config" in v:
+                key = json.dumps(v["config"], sort_keys=True)
+                tot[key] = None if v["wide_ms"] is None or tot.get(key, 0) is None else tot.get(key, 0) + v["wide_ms"]
+        ok = {k: t for k, t in tot.items() if t is not None}
+        if not ok:
+            continue
+        best = json.loads(min(ok, key=ok.get))
+        rows[T] = {**tuning.row(T, 1 << 30), **{k: v for k, v in best.items() if k in FIELDS}}
+    return KernelTuning(device, tuple(sorted(rows.items())))
 
 
 VARIANTS = {
@@ -398,12 +460,12 @@ VARIANTS = {
             (16, 512, 4, 3, 32, 8, 4), (64, 256, 8, 3, 32, 8, 4), (32, 128, 4, 5, 32, 8, 4), (32, 256, 4, 3, 32, 8, 2),
             (32, 512, 8, 3, 16, 16, 4), (16, 256, 2, 4, 32, 8, 4)]]
        # wide weight tiles for the decode K-skip: each CTA streams whole 256/512-byte pieces of an active
-       # group's rows, with enough split-K CTAs to cover the GPU (E2E_NOTES.md: _kskip at 2.4 TB/s)
+       # group's rows, with enough split-K CTAs to cover the GPU
        + [dict(dn_bn=dbn, dn_split=sp, dn_bk=bk, dn_warps=dw)
           for (dbn, sp, bk, dw) in [(128, 32, 32, 4), (128, 64, 32, 4), (256, 32, 16, 4), (256, 64, 32, 8),
                                     (256, 128, 16, 8), (128, 128, 64, 4)]]
-       # no reorder launch (E2E_NOTES: _tile_lists_kernel is 3.4 % of a WIDE decode step): the kernels read
-       # the mask themselves, alone and with the wide K-skip tiles
+       # no reorder launch (a decode step pays for the tile-list kernel): the kernels read the mask
+       # themselves, alone and with the wide K-skip tiles
        + [dict(lists="none"), dict(lists="none", dn_bn=128, dn_split=32, dn_bk=32, dn_warps=4),
           dict(lists="none", dn_bn=256, dn_split=64, dn_bk=32, dn_warps=8)],
     2048: [dict(path=p, up_bm=bm) for p in ("sorted", "tile") for bm in (64, 128)],
@@ -427,9 +489,17 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="time dense, static and WIDE through torch.compile (elementwise work fused, as in a "
                          "compiled model) instead of eager calls")
+    ap.add_argument("--tuning", default=None,
+                    help="kernel tuning table (JSON) to time and to start --write-config from (default: the "
+                         "shipped table for this GPU, wide_compile/kernels/configs/)")
+    ap.add_argument("--write-config", nargs="?", const="auto", default=None, metavar="PATH",
+                    help="with --variants: write the table with each swept T's fastest variant (default path: "
+                         "wide_compile/kernels/configs/<GPU name>.json, which the kernels then read on this GPU)")
     ap.add_argument("--time-budget-s", type=float, default=float("inf"),
                     help="stop starting new T rows after this many seconds (the file then holds what finished)")
     args = ap.parse_args()
+    if args.write_config and not args.variants:
+        ap.error("--write-config needs --variants (the sweep it picks the configs from)")
     t0 = time.time()
     log = lambda s: print(f"[{time.time()-t0:6.1f}s] {s}", flush=True)  # noqa: E731
     if DRY:
@@ -455,9 +525,19 @@ def main():
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
 
+    tuning = KernelTuning.load(args.tuning) if args.tuning else resolve(None, DEV)
+    log(f"kernel tuning: {args.tuning or 'shipped table ' + tuning.device}")
     recs, var = bench(args.quick, log, variants, kinds=tuple(args.masks), deadline=t0 + args.time_budget_s,
-                      save=save, ts=args.ts, compiled=args.compiled)
+                      save=save, ts=args.ts, compiled=args.compiled, tuning=tuning)
     save(recs, var)
+    if args.write_config:
+        gpu = torch.cuda.get_device_name()
+        path = CONFIG_DIR / f"{device_key(gpu)}.json" if args.write_config == "auto" else args.write_config
+        about = (f"written by: python {' '.join(sys.argv)} on {time.strftime('%Y-%m-%d')}; its timings are in "
+                 f"{args.out}")
+        with open(path, "w") as f:
+            json.dump({**tuned_table(tuning, var, gpu).to_dict(), "about": about}, f, indent=1)
+        log(f"kernel tuning table written: {path}")
     print("\nop      model          T     d     masks       dense_ms  static_ms  wide_ms  speedup vs_static")
     for r in recs:
         if r["op"] in ("mlp", "attn_q", "attn_o") and r["density"] == 0.5:

@@ -366,3 +366,16 @@ def test_split_logits_cuda_branch_traces_to_mm_dtype():
     out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     val = out[0].meta["val"] if isinstance(out, (list, tuple)) else out.meta["val"]
     assert val.dtype == torch.float32 and tuple(val.shape) == (2, 5, 8)
+
+
+def test_optimize_kernel_config_is_kept_in_the_graph_and_bad_ones_are_one_error():
+    model, ref, routers = pair("llama", routers_seed=3)
+    over = {"decode": {"lists": "none"}, "prefill": {"group_g": 4}}
+    cm = wc.optimize(model, routers, inductor=False, kernel_config=over)
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert all(g.counts["rewrite_mlp.rewritten"] for g in wc.explain(cm).graphs)
+    bad_model, _, bad_routers = pair("llama")
+    with pytest.raises(ValueError, match="per-phase overrides"):
+        wc.optimize(bad_model, bad_routers, inductor=False, kernel_config={"decod": {}})

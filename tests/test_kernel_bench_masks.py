@@ -128,3 +128,20 @@ def test_compiled_mode_times_every_op_through_inductor(bench, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 18  # every one really compiled
     eager, _ = bench.bench(True, lambda s: None, {}, kinds=("random",), ts=(1,), compiled=False)
     assert len(compiled_fns) == 18 and all(r.get("compiled") is False for r in eager if r["op"] == "mlp")
+
+
+def test_write_config_picks_each_swept_t_fastest_working_variant(bench):
+    from wide_compile.kernels.tuning import KernelTuning, resolve
+
+    base = resolve(None)
+    var = [dict(T=1, masks="random", config={}, wide_ms=2.0), dict(T=1, masks="random", config={"dn_split": 4}, wide_ms=1.0),
+           dict(T=1, masks="random", config={"up_bk": 16}, wide_ms=0.5),
+           dict(T=1, masks="corr_p0.1", config={"up_bk": 16}, wide_ms=None),  # failed for one mask kind: out
+           dict(T=1, masks="corr_p0.1", config={}, wide_ms=2.0), dict(T=1, masks="corr_p0.1", config={"dn_split": 4}, wide_ms=1.0),
+           dict(T=2048, masks="random", config={}, wide_ms=1.0), dict(T=2048, masks="random", config={"group_g": 4}, wide_ms=3.0)]
+    t = bench.tuned_table(base, var, "GPU X")
+    assert isinstance(t, KernelTuning) and t.device == "GPU X"
+    assert t.row(1, 1 << 30) == {**base.row(1, 1 << 30), "dn_split": 4}
+    assert t.row(2048, 1 << 30) == base.row(2048, 1 << 30)  # the table's own row stayed fastest
+    assert t.row(300, 1 << 30) == base.row(300, 1 << 30)  # rows below a swept T keep their configs
+    assert 2048 in dict(t.rows)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton
-from wide_compile.kernels.compact_mlp import DECODE_T, DENSE_MIN_T, mlp_triton
+from wide_compile.kernels.compact_mlp import default_config, mlp_triton
 from wide_compile.kernels.reorder import mask_reorder_triton
 
 
@@ -51,14 +51,14 @@ BF16, BOOL = torch.bfloat16, torch.bool
 
 
 def _dense_small_batch(T):
-    return DENSE_MIN_T <= T <= DECODE_T
+    return default_config(T, 64, 128, 32, 64)["path"] == "dense"  # the device's table decides
 
 
 def _mms(gm):
     return sum(1 for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 
 
-# gather-GEMV decode path (T < DENSE_MIN_T), dense small-batch path, prefill path
+# gather-GEMV decode path, dense small-batch path, prefill path (rows of the tuning table)
 @pytest.mark.parametrize("T", [3, 8, 130])
 def test_mlp_body(T):
     _run_isolated("check_mlp_body", T)

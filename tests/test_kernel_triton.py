@@ -1,4 +1,6 @@
-"""Triton WIDE kernels vs the float64 reference, run on CPU under the Triton interpreter.
+"""Triton WIDE kernels vs the float64 reference: on the CPU under the Triton interpreter (TRITON_INTERPRET=1,
+tests/conftest.py's default), compiled on a CUDA GPU when the run sets TRITON_INTERPRET=0 (same cases and
+tolerances, plus larger shapes that only the GPU runs: `TRITON_INTERPRET=0 pytest tests/test_kernel_triton.py`).
 
 Tolerances (relative L2 error against a float64 reference computed from the same rounded inputs):
 fp32 <= 1e-4 (interpreter dots are exact fp32; on GPU fp32 uses ieee dots), bf16 <= 2e-2.
@@ -8,7 +10,7 @@ the MLP intermediate h, so an unwritten output or a read of an unwritten h eleme
 import importlib
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles them
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,8 +21,16 @@ from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
 
 MR = importlib.import_module("wide_compile.kernels.reorder")
 
-if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
-    pytestmark = pytest.mark.skip("these tests need TRITON_INTERPRET=1 (set before triton import)")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(DEV != "cuda", reason="larger shapes: compiled on a CUDA GPU only (TRITON_INTERPRET=0)")
+
+
+def on_dev(*ts):
+    """The CPU-generated case (same values on every machine) on the device under test."""
+    return [None if t is None else t.to(DEV) for t in ts]
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DENSITIES = [0.0, "one", 0.3, 0.5, 0.9, 1.0]
@@ -61,6 +71,7 @@ def mlp_case(T, D, G, gs, density, dtype, config, seed=0):
     wu = (torch.randn(F, D, generator=gen) / D ** 0.5).to(dtype)
     wd = (torch.randn(F, D, generator=gen) / F ** 0.5).to(dtype)
     m = make_mask(T, G, density, gen)
+    x, wg, wu, wd, m = on_dev(x, wg, wu, wd, m)
     out = mlp_triton(x, wg, wu, wd, m, gs, config=config)
     assert out.shape == (T, D) and out.dtype == dtype
     if dtype == torch.float32:
@@ -125,6 +136,7 @@ def test_dense_path_never_reads_inactive_groups(T, dtype):
     m[:, 2] = False
     wg_bad = wg.clone()
     wg_bad[2 * gs:3 * gs] = float("inf")
+    x, wg, wu, wd, m, wg_bad = on_dev(x, wg, wu, wd, m, wg_bad)
     out = mlp_triton(x, wg_bad, wu, wd, m, gs, config={"path": "dense"})
     check(out, R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs), dtype)
 
@@ -139,6 +151,7 @@ def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
     wo = (torch.randn(Nq, D, generator=gen) / Nq ** 0.5).to(dtype)
     bo = torch.randn(D, generator=gen).to(dtype) if bias else None
     m = make_mask(T, G, density, gen)
+    x, wq, bq, a, wo, bo, m = on_dev(x, wq, bq, a, wo, bo, m)
     d = torch.float64
     q = q_proj_triton(x, wq, bq, m, cols, config=config)
     assert q.shape == (T, Nq)
@@ -181,9 +194,43 @@ def test_attn_paths_cols(cols, path):
 @pytest.mark.parametrize("T,G", [(1, 5), (3, 7), (17, 12), (130, 24)])
 def test_mask_reorder_triton(T, G, density, block_m):
     gen = torch.Generator().manual_seed(T * 7 + G)
-    m = make_mask(T, G, density, gen)
+    (m,) = on_dev(make_mask(T, G, density, gen))
     got = MR.mask_reorder_triton(m, block_m)
     exp = R.mask_reorder_ref(m, block_m)
     for g, e, name in zip(got, exp, ["tile_groups", "tile_counts", "sorted_token_ids", "block_groups", "ntpp"]):
         assert g.dtype == torch.int32, name
         assert torch.equal(g, e), name
+
+
+# --- larger shapes, compiled on the GPU only (the interpreter would take minutes per case) --------------
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("density", [0.0, "one", 0.5, 1.0])
+@pytest.mark.parametrize("T", [1, 8, 300, 2048])
+def test_mlp_default_path_large(T, density, dtype):
+    mlp_case(T, D=576, G=24, gs=64, density=density, dtype=dtype, config=None, seed=T)
+
+
+@gpu_only
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down", "dense"])
+@pytest.mark.parametrize("T", [3, 1000])
+def test_mlp_paths_large(T, path):
+    cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}
+    mlp_case(T, D=1024, G=44, gs=64, density=0.5, dtype=torch.bfloat16, config=cfg, seed=T)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 8, 517, 2048])
+def test_attn_proj_large(T, dtype):
+    attn_case(T, D=576, G=9, cols=64, density=0.5, dtype=dtype, bias=(T % 2 == 1), seed=T)
+
+
+@gpu_only
+@pytest.mark.parametrize("block_m", [1, 64, 128])
+@pytest.mark.parametrize("T,G", [(2048, 224), (4099, 32)])
+def test_mask_reorder_triton_large(T, G, block_m):
+    gen = torch.Generator().manual_seed(T + G)
+    (m,) = on_dev(make_mask(T, G, 0.5, gen))
+    for g, e in zip(MR.mask_reorder_triton(m, block_m), R.mask_reorder_ref(m, block_m)):
+        assert torch.equal(g, e)

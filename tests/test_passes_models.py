@@ -10,6 +10,8 @@ from torch import nn
 
 import wide_compile as wc
 from wide_compile.models import ModelSpec, tiny_model
+from wide_compile.config import GroupGeometry
+from wide_compile.kernels.tuning import table_for
 from wide_compile.passes import PassManager, WideFallbackWarning, op_counts
 from wide_compile.passes.detect_attention import DetectAttention
 from wide_compile.passes.detect_mlp import DetectSwiGLU
@@ -332,3 +334,31 @@ def test_layer_count_mismatch_is_an_error():
     (gm, ex), = capture(model, torch.randint(0, 128, (1, 4)))
     with pytest.raises(ValueError, match="routers are for 3 layers"):
         PassManager().run(gm, ex, routers=wc.Routers.init(spec3, CFG))
+
+
+def test_geometry_from_the_routers_is_checked_against_the_traced_grouping():
+    """Form A: the grouping read off the traced mask multiply must be the routers' GroupGeometry; another
+    geometry (a config the graph was not traced with) leaves every block dense with the reason, never
+    rewrites with the wrong group size."""
+    model = tiny_model("llama")
+    routers = wc.Routers.init(model, CFG)
+    wc.attach(model, routers)
+    (gm, ex), = capture(model, input_ids=torch.randint(0, 128, (2, 5)))
+    spec = routers.spec
+    other = GroupGeometry.of(wc.WideConfig(ffn_group_size=CFG.ffn_group_size * 2, head_group_size=CFG.head_group_size),
+                             spec)
+    with pytest.warns(WideFallbackWarning, match="routers' geometry"):
+        ctx = PassManager().run(gm, ex, geometry=other)
+    assert all(m.status == "fallback" and "geometry" in m.reason for m in ctx.mlps)
+    assert all(a.status == "rewritten" for a in ctx.attns)  # the attention grouping is the same in both
+    assert wide_op_count(gm)["wide_mlp_nd"] == 0
+
+
+def test_kernel_tuning_reaches_the_rewritten_ops():
+    model = tiny_model("llama")
+    wc.attach(model, wc.Routers.init(model, CFG))
+    (gm, ex), = capture(model, input_ids=torch.randint(0, 128, (2, 5)))
+    tuning = table_for().with_overrides(decode={"lists": "none"}).to_json()
+    PassManager().run(gm, ex, kernel_tuning=tuning)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__.startswith("wide_")]
+    assert len(calls) == 6 and all(n.args[-1] == tuning for n in calls)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .config import GroupGeometry
 from .routing import Routers, attach, attached_routers
 
 
@@ -31,16 +32,16 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              into the dense traced graph by layer order (needs one full graph: fullgraph=True is implied).
              Without routers the model must already have routers attached: otherwise ValueError.
     dynamic / fullgraph: as in torch.compile (dynamic=None: automatic dynamic shapes after the first recompile).
-    router_dtype: None keeps the routers' dtype (fp32 as trained: on the GPU cuBLAS runs fp32 GEMMs without
-             tensor cores, 4.6 ms of a 52 ms Llama-3.1-8B-shape prefill); "model" casts them (in place) to the
-             model's dtype, or give a torch.dtype. bf16 routers flip decisions whose logit lies within bf16
-             rounding of 0: on SmolLM2 with the shipped routers 0.71 % (attention) / 0.98 % (FFN) of decisions,
-             capacity 0.5091 -> 0.5093 (benchmarks/router_precision.py). The eager reference uses the same (cast) routers.
+    router_dtype: None keeps the routers' dtype (fp32 as trained; on the GPU cuBLAS runs fp32 GEMMs without
+             tensor cores, a visible share of a prefill); "model" casts them (in place) to the model's dtype,
+             or give a torch.dtype. Low-precision routers flip the decisions whose logit lies within rounding
+             of 0 (how many: benchmarks/router_precision.py). The eager reference uses the same (cast) routers.
              "bf16x2" (bf16 models): keep the fp32 weights and run each linear router as one bf16 tensor-core
              GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
-             runs the fp32 weights, where the pair was slower (routing.routers.SPLIT_MIN_ROWS).
-    options: see wide_compile.backend (strict, mode="reduce-overhead" for CUDA graphs, Inductor patches).
+             runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS).
+    options: see wide_compile.backend (kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
+             for CUDA graphs, Inductor patches).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
@@ -48,6 +49,10 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
     from . import backend as _backend
 
+    if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
+        from .kernels.tuning import resolve
+
+        resolve(options["kernel_config"])
     if router_dtype is not None:
         target = routers if routers is not None else attached_routers(model)
         if target is not None:
@@ -82,6 +87,7 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             "attach them first (wide_compile.attach(model, routers)); make routers with "
             "wide_compile.Routers.init(model, cfg) / Routers.load(path, model)")
     backend_opts["report"] = reports.append
+    backend_opts["geometry"] = GroupGeometry.from_routers(routers if routers is not None else attached_routers(model))
     object.__setattr__(model, "_wide_reports", reports)
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and hasattr(gen_cfg, "disable_compile"):
@@ -106,8 +112,7 @@ def static_cache(model: nn.Module, batch_size: int, max_cache_len: int):
     update. Pass it as generate(**{wc.api.cache_arg_name(model): cache}) (past_key_values= / cache=, by
     transformers version) when the whole model is compiled with CUDA graphs
     (mode="reduce-overhead"): a lazily initialised cache is allocated inside the compiled region and then
-    fed back as a mutated input, the pattern of pytorch/pytorch#192748 (cudagraph trees SIGSEGV), which is
-    how the H200 check crashed."""
+    fed back as a mutated input, the pattern of pytorch/pytorch#192748 (cudagraph trees SIGSEGV)."""
     from transformers import StaticCache
 
     cfg = model.config

@@ -9,6 +9,11 @@ blocks, insert routers if needed, rewrite into torch.ops.wide.*), then hands the
 
 Options (keyword arguments, or torch.compile(..., options={...})):
     routers        wide_compile.Routers for a dense graph (form B); ignored when the graph holds traced routers
+    geometry       wide_compile.config.GroupGeometry of the routers (optimize passes it): the grouping read off a
+                   traced graph must be this one; default: the routers' geometry, or whatever the graph holds
+    kernel_config  the WIDE kernels' tile table: a wide_compile.kernels.tuning.KernelTuning (or its JSON / dict), or
+                   per-phase overrides {"decode": {...}, "prefill": {...}} on the device's table; default: the
+                   device's shipped table (wide_compile/kernels/configs/)
     strict         raise instead of warning when a block has to stay dense (default False)
     inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
     report         callable receiving the GraphReport of every compiled graph
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import deque
 from typing import Any, Sequence
 
 import torch
@@ -30,10 +34,7 @@ from .passes._ops import missing_ops
 
 log = logging.getLogger("wide_compile.backend")
 
-#: reports of the most recently compiled graphs (newest last)
-RECENT_REPORTS: deque = deque(maxlen=64)
-
-_OWN = ("routers", "strict", "inductor", "report", "mode")
+_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -47,6 +48,8 @@ def _split_options(options: dict) -> tuple[dict, dict]:
 def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     own, inductor_patches = _split_options(options)
     missing = missing_ops()
+    if missing and own.get("kernel_config") is not None:
+        raise RuntimeError(f"wide_compile: kernel_config was given but the WIDE kernel ops {missing} are not available")
     if missing:
         msg = (f"wide_compile: the WIDE kernel ops {missing} are not available from wide_compile.kernels; "
                "the graph is compiled without the WIDE rewrite")
@@ -54,8 +57,10 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
             raise RuntimeError(msg + " (and a dense graph cannot be routed without them)")
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     else:
-        ctx = PassManager().run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")))
-        RECENT_REPORTS.append(ctx.report)
+        from .kernels.tuning import as_arg
+
+        ctx = PassManager().run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
+                                geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")))
         if own.get("report") is not None:
             own["report"](ctx.report)
     counters()["compiled_graphs"] += 1
@@ -66,9 +71,9 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     mode = own.get("mode")
     if mode and "reduce-overhead" in mode and any(getattr(t, "is_cuda", False) for t in example_inputs):
         warnings.warn("wide_compile: mode='reduce-overhead' (Inductor CUDA graphs) is not verified with the WIDE ops: "
-                      "on the H200 (torch 2.11) generate() with a lazily allocated static cache crashed the process "
-                      "(SIGSEGV; the pattern of pytorch/pytorch#192748: a buffer allocated inside the compiled region "
-                      "fed back as a mutated input). Pass an early-allocated cache, wide_compile.static_cache(model, "
+                      "generate() with a lazily allocated static cache can crash the process (the pattern of "
+                      "pytorch/pytorch#192748: a buffer allocated inside the compiled region fed back as a mutated "
+                      "input). Pass an early-allocated cache, wide_compile.static_cache(model, "
                       "batch, max_len), to generate(), or use the default mode captured in a torch.cuda.CUDAGraph (the verified "
                       "decode path, benchmarks/e2e/timing.py: cuda_graph_step).", RuntimeWarning, stacklevel=2)
     if mode and mode != "default":

@@ -1,4 +1,5 @@
-"""WideConfig: the knobs of WIDE routing, validated on construction and against a model."""
+"""WideConfig: the knobs of WIDE routing, validated on construction; GroupGeometry: what they mean for one
+model (the group counts and sizes), validated once against it."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,28 +55,21 @@ class WideConfig:
             raise ValueError(f"WideConfig.router_init must be one of {ROUTER_INITS}, got {self.router_init!r}")
 
     # -- validation against a model -------------------------------------------------------------
-    def validate(self, spec: "ModelSpec") -> None:
-        """Raise ValueError when this config cannot route `spec` (a ModelSpec or a model)."""
+    def geometry(self, spec: "ModelSpec") -> "GroupGeometry":
+        """The group geometry of this config on `spec` (a ModelSpec or a model); ValueError when it does not fit."""
         from .models.spec import model_spec
 
-        spec = model_spec(spec)
-        if spec.intermediate_size % self.ffn_group_size:
-            valid = [d for d in _divisors(spec.intermediate_size) if d >= 8] or _divisors(spec.intermediate_size)
-            raise ValueError(
-                f"ffn_group_size={self.ffn_group_size} does not divide the FFN width {spec.intermediate_size}; "
-                f"valid group sizes are divisors of {spec.intermediate_size}, e.g. {valid[:12]}"
-            )
-        if spec.num_heads % self.head_group_size:
-            raise ValueError(
-                f"head_group_size={self.head_group_size} does not divide the number of query heads "
-                f"{spec.num_heads}; valid values: {_divisors(spec.num_heads)}"
-            )
+        return GroupGeometry.of(self, model_spec(spec))
+
+    def validate(self, spec: "ModelSpec") -> None:
+        """Raise ValueError when this config cannot route `spec` (a ModelSpec or a model)."""
+        self.geometry(spec)
 
     def num_ffn_groups(self, spec: "ModelSpec") -> int:
-        return spec.intermediate_size // self.ffn_group_size
+        return self.geometry(spec).num_ffn_groups
 
     def num_head_groups(self, spec: "ModelSpec") -> int:
-        return spec.num_heads // self.head_group_size
+        return self.geometry(spec).num_head_groups
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -83,3 +77,74 @@ class WideConfig:
     @classmethod
     def from_json(cls, s: str) -> "WideConfig":
         return cls(**json.loads(s))
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """How WIDE cuts one model's layers into router groups: built once from (WideConfig, ModelSpec) and
+    checked once, here; the passes, ops and kernels take their group sizes from it.
+
+    Attention: `num_head_groups` groups of `head_group_size` query heads; one group is `head_group_cols`
+    consecutive columns of q_proj's output (= rows of o_proj.weight.T). FFN: `num_ffn_groups` groups of
+    `ffn_group_size` consecutive intermediate channels (rows of gate/up, columns of down).
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_group_size: int
+    intermediate_size: int
+    ffn_group_size: int
+
+    def __post_init__(self) -> None:
+        for name, v in dataclasses.asdict(self).items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GroupGeometry.{name} must be a positive integer, got {v!r}")
+        if self.intermediate_size % self.ffn_group_size:
+            n = self.intermediate_size
+            valid = [d for d in _divisors(n) if d >= 8] or _divisors(n)
+            raise ValueError(
+                f"ffn_group_size={self.ffn_group_size} does not divide the FFN width {n}; "
+                f"valid group sizes are divisors of {n}, e.g. {valid[:12]}"
+            )
+        if self.num_heads % self.head_group_size:
+            raise ValueError(
+                f"head_group_size={self.head_group_size} does not divide the number of query heads "
+                f"{self.num_heads}; valid values: {_divisors(self.num_heads)}"
+            )
+
+    @classmethod
+    def of(cls, cfg: WideConfig, spec: "ModelSpec") -> "GroupGeometry":
+        return cls(hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                   head_dim=spec.head_dim, head_group_size=cfg.head_group_size,
+                   intermediate_size=spec.intermediate_size, ffn_group_size=cfg.ffn_group_size)
+
+    @classmethod
+    def from_routers(cls, routers) -> "GroupGeometry":
+        """The geometry of a wide_compile.Routers (its .cfg and .spec)."""
+        return cls.of(routers.cfg, routers.spec)
+
+    @property
+    def q_size(self) -> int:  # q_proj output width = o_proj input width
+        return self.num_heads * self.head_dim
+
+    @property
+    def head_group_cols(self) -> int:  # q columns / o_proj input rows per head group
+        return self.head_group_size * self.head_dim
+
+    @property
+    def num_head_groups(self) -> int:
+        return self.num_heads // self.head_group_size
+
+    @property
+    def num_ffn_groups(self) -> int:
+        return self.intermediate_size // self.ffn_group_size
+
+    def groups(self, kind: str) -> tuple[int, int]:
+        """(number of groups, columns per group) of one kind of block: "ffn" or "attn"."""
+        if kind == "ffn":
+            return self.num_ffn_groups, self.ffn_group_size
+        if kind == "attn":
+            return self.num_head_groups, self.head_group_cols
+        raise ValueError(f"GroupGeometry.groups: kind must be 'ffn' or 'attn', got {kind!r}")

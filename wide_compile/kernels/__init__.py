@@ -1,13 +1,16 @@
 """WIDE kernels: group-sparse MLP and attention projections (Triton on CUDA, PyTorch reference elsewhere).
 
-Public API (each backed by a ``torch.ops.wide.*`` op):
+Public API (each backed by a ``torch.ops.wide.*`` op; group_size = channels / q columns / o rows per group):
 
-    wide_mlp(x, w_gate, w_up, w_down_t, mask, group_size)
-    wide_q_proj(x, w_q, b_q, mask, group_cols)
-    wide_o_proj(a, w_o_t, b_o, mask, group_rows)
+    wide_mlp(x, w_gate, w_up, w_down_t, mask, group_size, tuning=None)
+    wide_q_proj(x, w_q, b_q, mask, group_size, tuning=None)
+    wide_o_proj(a, w_o_t, b_o, mask, group_size, tuning=None)
     mask_reorder(mask, block_m)
+
+`tuning` is the tile table (tuning.KernelTuning; None = the device's table in configs/).
 """
 from .ops import wide_mlp, wide_q_proj, wide_o_proj, mask_reorder  # noqa: F401
 from . import reference  # noqa: F401
+from .tuning import KernelTuning  # noqa: F401
 
-__all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "reference"]
+__all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "reference", "KernelTuning"]

@@ -17,32 +17,34 @@ from .dense_masked import o_proj_dense_masked, q_proj_dense_masked
 from .reorder import _as_uint8
 
 
-def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int, *,
-                  config: Optional[dict] = None, wrap: bool = False):
+def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int, *,
+                  config: Optional[dict] = None, tuning=None, wrap: bool = False):
     """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G] -> [T, Nq] (inactive columns = 0)."""
     T, D = x.shape
     Nq = w_q.shape[0]
-    G = Nq // group_cols
-    cfg = kernel_config(T, D, Nq, group_cols, Nq, config, elem_size=x.element_size(), device=x.device)
+    G = Nq // group_size
+    cfg = kernel_config(T, D, Nq, group_size, Nq, config, elem_size=x.element_size(), device=x.device,
+                        tuning=tuning)
     x = x.contiguous()
-    if cfg["path"] == "dense":  # small batches (compact_mlp.DENSE_MIN_T): nothing left to skip
-        return q_proj_dense_masked(x, w_q, b_q, mask, group_cols)
+    if cfg["path"] == "dense":  # small batches (the tuning table's dense rows): nothing left to skip
+        return q_proj_dense_masked(x, w_q, b_q, mask, group_size)
     mask8 = _as_uint8(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
-    ngather(x, w_q, None, b_q, out, mask8, G, group_cols, cfg, gated=False,
+    ngather(x, w_q, None, b_q, out, mask8, G, group_size, cfg, gated=False,
             zero_inactive=False, wrap=wrap)
     return out
 
 
-def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int, *,
-                  config: Optional[dict] = None, wrap: bool = False):
+def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int, *,
+                  config: Optional[dict] = None, tuning=None, wrap: bool = False):
     """a [T, Nq], w_o_t [Nq, D], b_o [D] or None, mask [T, G] -> [T, D]."""
     T, Nq = a.shape
     D = w_o_t.shape[1]
-    G = Nq // group_rows
-    cfg = kernel_config(T, D, Nq, group_rows, D, config, elem_size=a.element_size(), device=a.device)
+    G = Nq // group_size
+    cfg = kernel_config(T, D, Nq, group_size, D, config, elem_size=a.element_size(), device=a.device,
+                        tuning=tuning)
     a = a.contiguous()
     if cfg["path"] == "dense" or cfg.get("down") == "dense":  # small batches, prefill: mask, one cuBLAS GEMM
-        return o_proj_dense_masked(a, w_o_t, b_o, mask, group_rows)
+        return o_proj_dense_masked(a, w_o_t, b_o, mask, group_size)
     mask8 = _as_uint8(mask)
-    return kskip(a, w_o_t, b_o, mask8, G, group_rows, cfg, a.dtype, wrap)
+    return kskip(a, w_o_t, b_o, mask8, G, group_size, cfg, a.dtype, wrap)

@@ -20,7 +20,7 @@ Two generic Triton kernels, shared with the attention projections (compact_attn.
 from __future__ import annotations
 
 import functools
-import os
+import warnings
 from typing import Optional
 
 import torch
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .dense_masked import mlp_dense_masked
 from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists_triton
+from .tuning import DECODE_T, interpreting, resolve  # noqa: F401  (DECODE_T: re-exported)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -184,32 +185,21 @@ def _prec(dtype):
     return "ieee" if (dtype == torch.float32 or _interpret()) else "tf32"
 
 
-def _pow2_le(n, cap):
-    p = 1
-    while p * 2 <= min(n, cap):
-        p *= 2
-    return max(p, 16)
-
-
 def _interpret():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreting()
 
 
-# Decode threshold: T <= DECODE_T uses one token tile (gather-GEMV), larger T the prefill kernels.
-DECODE_T = 16
-# From DENSE_MIN_T to DECODE_T tokens the default path is "dense" (dense_masked.py): the tokens' groups
-# together cover nearly every weight row, so the gather GEMV cannot skip and a dense GEMM is faster.
-DENSE_MIN_T = 4
-
-
-# Process-wide config changes per phase ("decode": T <= DECODE_T, "prefill"), set by
-# set_default_overrides: how a benchmark runs a whole compiled model with a candidate config (the ops read
-# it when they are traced, i.e. at compile time).
+# Deprecated process-wide per-phase overrides (set_default_overrides); pass a KernelTuning instead.
 _PHASE_OVERRIDES: dict = {"decode": {}, "prefill": {}}
 
 
 def set_default_overrides(decode: Optional[dict] = None, prefill: Optional[dict] = None) -> dict:
-    """Replace the process-wide per-phase overrides; returns the previous ones (to restore them)."""
+    """Deprecated: replace the process-wide per-phase overrides and return the previous ones. Hand the
+    overrides to the compiled model instead: wide_compile.optimize(model, routers, kernel_config={"decode":
+    {...}, "prefill": {...}}) (or a KernelTuning), which keeps them in the graph it compiles."""
+    warnings.warn("wide_compile.kernels.compact_mlp.set_default_overrides is deprecated: pass "
+                  "kernel_config={'decode': {...}, 'prefill': {...}} to wide_compile.optimize (or a "
+                  "wide_compile.kernels.tuning.KernelTuning to the kernels)", DeprecationWarning, stacklevel=2)
     old = {k: dict(v) for k, v in _PHASE_OVERRIDES.items()}
     _PHASE_OVERRIDES["decode"] = dict(decode or {})
     _PHASE_OVERRIDES["prefill"] = dict(prefill or {})
@@ -217,18 +207,22 @@ def set_default_overrides(decode: Optional[dict] = None, prefill: Optional[dict]
 
 
 def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides: Optional[dict] = None,
-                  elem_size: int = 2, device=None) -> dict:
-    """default_config fitted to the device's shared memory for this element size, then the process-wide
-    phase overrides (set_default_overrides), then the caller's `overrides` (tests, sweeps) unchanged."""
-    cfg = default_config(T, D, F, group_size, N_out)
+                  elem_size: int = 2, device=None, tuning=None) -> dict:
+    """The tuning table's row for T (tuning.resolve: the device's table by default) fitted to the device's
+    shared memory for this element size, then the tuning's phase overrides, then the caller's `overrides`
+    (tests, sweeps) unchanged."""
+    table = resolve(tuning, device)
+    cfg = table.row(T, group_size)
     if not _interpret():
         cfg = fit_shared_memory(cfg, elem_size, shared_memory_bytes(device))
-    cfg.update(_PHASE_OVERRIDES["decode" if T <= DECODE_T else "prefill"])
+    phase = "decode" if T <= DECODE_T else "prefill"
+    cfg.update(_PHASE_OVERRIDES[phase])
+    cfg.update(table.overrides.get(phase, {}))
     cfg.update(overrides or {})
     return cfg
 
 
-# H100/H200 opt-in shared memory per block; used when the device cannot be asked.
+# Hopper's opt-in shared memory per block; used when the device cannot be asked.
 SMEM_FALLBACK = 232448
 
 
@@ -255,8 +249,7 @@ def stage_bytes(cfg: dict, elem_size: int) -> tuple[int, int]:
 
 def shared_memory_need(cfg: dict, elem_size: int) -> tuple[int, int]:
     """Shared memory the gather and the K-skip kernel need with this config: Triton keeps num_stages - 1
-    stages of the software pipeline resident (checked against the compiler: tests/test_kernel_aot_sm90.py,
-    where the fp32 decode gather at 4 stages needs 3 x 81920 = 245760 B, the figure the H200 reported)."""
+    stages of the software pipeline resident (checked against the compiler: tests/test_kernel_aot_sm90.py)."""
     up, dn = stage_bytes(cfg, elem_size)
     return up * max(1, cfg["up_stages"] - 1), dn * max(1, cfg["dn_stages"] - 1)
 
@@ -264,9 +257,8 @@ def shared_memory_need(cfg: dict, elem_size: int) -> tuple[int, int]:
 def fit_shared_memory(cfg: dict, elem_size: int, limit: int) -> dict:
     """Cut pipeline stages (to 2), then K tiles, until each kernel's shared memory fits `limit`.
 
-    The tiles are tuned for bf16 on the H200; the same tiles in fp32 need twice the shared memory, and a
-    kernel over the limit fails to compile (seen on the H200: fp32 SmolLM2, the decode gather GEMM with
-    BK = 256 and 4 stages). The bf16 configs fit and come back unchanged."""
+    The tiles are tuned for bf16; the same tiles in fp32 need twice the shared memory, and a kernel over
+    the limit fails to compile. Configs that fit come back unchanged."""
     cfg = dict(cfg)
     for i, (bk, st) in enumerate((("up_bk", "up_stages"), ("dn_bk", "dn_stages"))):
         while shared_memory_need(cfg, elem_size)[i] > limit and cfg[st] > 2:
@@ -276,32 +268,10 @@ def fit_shared_memory(cfg: dict, elem_size: int, limit: int) -> dict:
     return cfg
 
 
-def default_config(T: int, D: int, F: int, group_size: int, N_out: int, small: bool = False):
-    """Kernel tile config.  Tuned on the H200 (see benchmarks/KERNELS_NOTES.md); from DENSE_MIN_T to
-    DECODE_T tokens path="dense" (the tile fields stay, for a caller that overrides the path)."""
-    cfg = _tile_config(T, D, F, group_size, N_out, small)
-    if DENSE_MIN_T <= T <= DECODE_T:
-        cfg.update(path="dense", down="dense")
-    return cfg
-
-
-def _tile_config(T: int, D: int, F: int, group_size: int, N_out: int, small: bool):
-    gs2 = triton.next_power_of_2(group_size)
-    if small or _interpret():
-        return dict(path="decode" if T <= DECODE_T else "sorted", up_bm=16, up_bn=min(32, gs2), up_bk=32,
-                    dn_bm=16, dn_bn=32, dn_bk=min(32, gs2), dn_split=2 if T <= DECODE_T else 1,
-                    up_warps=4, up_stages=1, dn_warps=4, dn_stages=1, group_g=2, group_m=2, down="kskip")
-    if T <= DECODE_T:
-        return dict(path="decode", up_bm=16, up_bn=min(32, gs2), up_bk=256,
-                    dn_bm=16, dn_bn=32, dn_bk=min(64, gs2), dn_split=8,
-                    up_warps=4, up_stages=4, dn_warps=4, dn_stages=3, group_g=8, group_m=8, down="kskip")
-    return dict(path="sorted", up_bm=64 if T <= 256 else 128, up_bn=min(64, gs2), up_bk=64,
-                dn_bm=64 if T <= 256 else 128, dn_bn=128, dn_bk=min(64, gs2), dn_split=1,
-                up_warps=4, up_stages=3, dn_warps=4, dn_stages=4, group_g=16, group_m=8,
-                # measured on the H200 (KERNELS_NOTES.md): with masks that are not shared inside a
-                # 128-token tile the K-skip GEMM cannot skip and runs 1.6x slower than cuBLAS, so the
-                # prefill reduction side is a dense cuBLAS GEMM over a zero-filled h.
-                down="dense")
+def default_config(T: int, D: int, F: int, group_size: int, N_out: int, tuning=None) -> dict:
+    """The tuning table's row for T tokens (the device's shipped table unless `tuning` is given), before the
+    shared-memory fit and the overrides (kernel_config applies those)."""
+    return resolve(tuning).row(T, group_size)
 
 
 def uses_tile_lists(cfg: dict) -> bool:
@@ -367,12 +337,14 @@ def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
 
 
 def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Optional[dict] = None,
-               wrap: bool = False):
-    """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]."""
+               tuning=None, wrap: bool = False):
+    """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]. `tuning`: the table
+    (tuning.resolve; default the device's), `config`: fields that override its row (sweeps, tests)."""
     T, D = x.shape
     F = w_gate.shape[0]
     G = F // group_size
-    cfg = kernel_config(T, D, F, group_size, D, config, elem_size=x.element_size(), device=x.device)
+    cfg = kernel_config(T, D, F, group_size, D, config, elem_size=x.element_size(), device=x.device,
+                        tuning=tuning)
     x = x.contiguous()
     if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway
         return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size)

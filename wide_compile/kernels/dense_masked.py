@@ -1,10 +1,10 @@
 """Dense GEMMs with the group mask applied to their result: the path for what compact kernels cannot skip.
 
 Used where per-token masks leave nothing to skip:
-* small batches of decode tokens (DENSE_MIN_T <= T <= DECODE_T, config path="dense"): with per-token masks
+* small batches of decode tokens (the tuning tables' path="dense" rows, 4 to 16 tokens): with per-token masks
   the union of the groups that 4 tokens need covers 1 - (1 - c)^4 of the weight rows (94 % at capacity
-  0.5), so the gather GEMV reads almost every row anyway and runs at 0.74-0.90x of cuBLAS at T = 4
-  (benchmarks/results/kernels-h200.json); one dense GEMM plus a select costs what dense costs;
+  0.5), so the gather GEMV reads almost every row anyway and loses to cuBLAS (benchmarks/results/);
+  one dense GEMM plus a select costs what dense costs;
 * the prefill o_proj (config down="dense"): no 128-token tile leaves a head group inactive (the prefill MLP's
   reduction side is a dense GEMM too, over the h its gather kernel zero-fills: compact_mlp.mlp_triton).
 
@@ -37,14 +37,14 @@ def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int) -> torch.
     return torch.mm(_select(h, mask, group_size), w_down_t)
 
 
-def q_proj_dense_masked(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int) -> torch.Tensor:
+def q_proj_dense_masked(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:
     """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G] -> [T, Nq], inactive columns exactly 0."""
     q = torch.mm(x, w_q.t()) if b_q is None else torch.addmm(b_q, x, w_q.t())
-    return _select(q, mask, group_cols)
+    return _select(q, mask, group_size)
 
 
-def o_proj_dense_masked(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int) -> torch.Tensor:
+def o_proj_dense_masked(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:
     """a [T, Nq], w_o_t [Nq, D], b_o [D] or None (added once), mask [T, G] -> [T, D]; inactive input
     columns of a are never used (selected away, not multiplied)."""
-    am = _select(a, mask, group_rows)
+    am = _select(a, mask, group_size)
     return torch.mm(am, w_o_t) if b_o is None else torch.addmm(b_o, am, w_o_t)

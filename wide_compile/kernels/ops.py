@@ -3,6 +3,8 @@
 * CUDA tensors: Triton kernels (compact_mlp / compact_attn / reorder), launched through
   ``torch.library.wrap_triton`` inside ``torch.library.triton_op`` so Inductor can see them.
 * Any other device (CPU): the plain PyTorch reference (reference.py).
+* The last argument, ``tuning``, is the kernels' tile table as JSON ("" = the device's shipped table,
+  tuning.py), so a compiled graph keeps the tuning it was compiled with.
 * Fake/meta: ``triton_op`` registers the same body as the fake impl; every output shape is a
   static function of the input shapes (worst-case padded index buffers), no host sync.
 """
@@ -14,11 +16,9 @@ import torch
 from torch import Tensor
 
 from . import reference as _ref
+from .tuning import as_arg
 
-try:
-    from torch.library import triton_op as _triton_op
-except ImportError:  # pragma: no cover - very old torch
-    _triton_op = None
+from torch.library import triton_op
 
 
 def _is_cuda(t: Tensor) -> bool:
@@ -26,25 +26,27 @@ def _is_cuda(t: Tensor) -> bool:
 
 
 def _mlp_impl(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, mask: Tensor,
-              group_size: int) -> Tensor:
+              group_size: int, tuning: str = "") -> Tensor:
     if _is_cuda(x):
         from .compact_mlp import mlp_triton
-        return mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size, wrap=True)
+        return mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size, tuning=tuning, wrap=True)
     return _ref.mlp_ref(x, w_gate, w_up, w_down_t, mask, group_size)
 
 
-def _q_proj_impl(x: Tensor, w_q: Tensor, b_q: Optional[Tensor], mask: Tensor, group_cols: int) -> Tensor:
+def _q_proj_impl(x: Tensor, w_q: Tensor, b_q: Optional[Tensor], mask: Tensor, group_size: int,
+                 tuning: str = "") -> Tensor:
     if _is_cuda(x):
         from .compact_attn import q_proj_triton
-        return q_proj_triton(x, w_q, b_q, mask, group_cols, wrap=True)
-    return _ref.q_proj_ref(x, w_q, b_q, mask, group_cols)
+        return q_proj_triton(x, w_q, b_q, mask, group_size, tuning=tuning, wrap=True)
+    return _ref.q_proj_ref(x, w_q, b_q, mask, group_size)
 
 
-def _o_proj_impl(a: Tensor, w_o_t: Tensor, b_o: Optional[Tensor], mask: Tensor, group_rows: int) -> Tensor:
+def _o_proj_impl(a: Tensor, w_o_t: Tensor, b_o: Optional[Tensor], mask: Tensor, group_size: int,
+                 tuning: str = "") -> Tensor:
     if _is_cuda(a):
         from .compact_attn import o_proj_triton
-        return o_proj_triton(a, w_o_t, b_o, mask, group_rows, wrap=True)
-    return _ref.o_proj_ref(a, w_o_t, b_o, mask, group_rows)
+        return o_proj_triton(a, w_o_t, b_o, mask, group_size, tuning=tuning, wrap=True)
+    return _ref.o_proj_ref(a, w_o_t, b_o, mask, group_size)
 
 
 def _mask_reorder_impl(mask: Tensor, block_m: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -54,19 +56,10 @@ def _mask_reorder_impl(mask: Tensor, block_m: int) -> Tuple[Tensor, Tensor, Tens
     return _ref.mask_reorder_ref(mask, block_m)
 
 
-if _triton_op is not None:
-    mlp_op = _triton_op("wide::mlp", _mlp_impl, mutates_args=())
-    q_proj_op = _triton_op("wide::q_proj", _q_proj_impl, mutates_args=())
-    o_proj_op = _triton_op("wide::o_proj", _o_proj_impl, mutates_args=())
-    mask_reorder_op = _triton_op("wide::mask_reorder", _mask_reorder_impl, mutates_args=())
-else:  # pragma: no cover
-    mlp_op = torch.library.custom_op("wide::mlp", _mlp_impl, mutates_args=())
-    q_proj_op = torch.library.custom_op("wide::q_proj", _q_proj_impl, mutates_args=())
-    o_proj_op = torch.library.custom_op("wide::o_proj", _o_proj_impl, mutates_args=())
-    mask_reorder_op = torch.library.custom_op("wide::mask_reorder", _mask_reorder_impl, mutates_args=())
-    for _op, _f in ((mlp_op, _mlp_impl), (q_proj_op, _q_proj_impl), (o_proj_op, _o_proj_impl),
-                    (mask_reorder_op, _mask_reorder_impl)):
-        _op.register_fake(_f)
+mlp_op = triton_op("wide::mlp", _mlp_impl, mutates_args=())
+q_proj_op = triton_op("wide::q_proj", _q_proj_impl, mutates_args=())
+o_proj_op = triton_op("wide::o_proj", _o_proj_impl, mutates_args=())
+mask_reorder_op = triton_op("wide::mask_reorder", _mask_reorder_impl, mutates_args=())
 
 
 # ----------------------------------------------------------------------------- public wrappers
@@ -76,32 +69,38 @@ def _flat(t: Tensor, last: int) -> Tensor:
 
 
 def wide_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, mask: Tensor,
-             group_size: int) -> Tensor:
+             group_size: int, tuning=None) -> Tensor:
     """x [..., D]; w_gate, w_up [F, D]; w_down_t [F, D] (= down_proj.weight.T, contiguous);
-    mask [..., G] bool with G = F // group_size -> [..., D]."""
+    mask [..., G] bool with G = F // group_size -> [..., D]. tuning: the kernels' tile table
+    (tuning.resolve; None = the device's shipped table)."""
     D = x.shape[-1]
     G = w_gate.shape[0] // group_size
-    out = torch.ops.wide.mlp(_flat(x, D), w_gate, w_up, w_down_t, _flat(mask, G).to(torch.bool), int(group_size))
+    out = torch.ops.wide.mlp(_flat(x, D), w_gate, w_up, w_down_t, _flat(mask, G).to(torch.bool), int(group_size),
+                          as_arg(tuning))
     return out.reshape(x.shape)
 
 
-def wide_q_proj(x: Tensor, w_q: Tensor, b_q: Optional[Tensor], mask: Tensor, group_cols: int) -> Tensor:
-    """x [..., D]; w_q [Nq, D]; b_q [Nq] or None; mask [..., G], G = Nq // group_cols -> [..., Nq],
+def wide_q_proj(x: Tensor, w_q: Tensor, b_q: Optional[Tensor], mask: Tensor, group_size: int,
+                tuning=None) -> Tensor:
+    """x [..., D]; w_q [Nq, D]; b_q [Nq] or None; mask [..., G], G = Nq // group_size -> [..., Nq],
     inactive groups' columns exactly 0."""
     D = x.shape[-1]
     Nq = w_q.shape[0]
-    G = Nq // group_cols
-    out = torch.ops.wide.q_proj(_flat(x, D), w_q, b_q, _flat(mask, G).to(torch.bool), int(group_cols))
+    G = Nq // group_size
+    out = torch.ops.wide.q_proj(_flat(x, D), w_q, b_q, _flat(mask, G).to(torch.bool), int(group_size),
+                                as_arg(tuning))
     return out.reshape(*x.shape[:-1], Nq)
 
 
-def wide_o_proj(a: Tensor, w_o_t: Tensor, b_o: Optional[Tensor], mask: Tensor, group_rows: int) -> Tensor:
+def wide_o_proj(a: Tensor, w_o_t: Tensor, b_o: Optional[Tensor], mask: Tensor, group_size: int,
+                tuning=None) -> Tensor:
     """a [..., Nq]; w_o_t [Nq, D] (= o_proj.weight.T, contiguous); b_o [D] or None (added once);
-    mask [..., G], G = Nq // group_rows -> [..., D]."""
+    mask [..., G], G = Nq // group_size -> [..., D]."""
     Nq = a.shape[-1]
     D = w_o_t.shape[1]
-    G = Nq // group_rows
-    out = torch.ops.wide.o_proj(_flat(a, Nq), w_o_t, b_o, _flat(mask, G).to(torch.bool), int(group_rows))
+    G = Nq // group_size
+    out = torch.ops.wide.o_proj(_flat(a, Nq), w_o_t, b_o, _flat(mask, G).to(torch.bool), int(group_size),
+                                as_arg(tuning))
     return out.reshape(*a.shape[:-1], D)
 
 

@@ -38,18 +38,18 @@ def mlp_ref(x, w_gate, w_up, w_down_t, mask, group_size: int) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def q_proj_ref(x, w_q, b_q: Optional[torch.Tensor], mask, group_cols: int) -> torch.Tensor:
+def q_proj_ref(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:
     acc = _acc_dtype(x.dtype)
     q = x.to(acc) @ w_q.to(acc).t()
     if b_q is not None:
         q = q + b_q.to(acc)
     q = q.to(x.dtype)
-    return torch.where(expand_mask(mask, group_cols), q, torch.zeros((), dtype=q.dtype, device=q.device))
+    return torch.where(expand_mask(mask, group_size), q, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
-def o_proj_ref(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_rows: int) -> torch.Tensor:
+def o_proj_ref(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:
     acc = _acc_dtype(a.dtype)
-    am = torch.where(expand_mask(mask, group_rows), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    am = torch.where(expand_mask(mask, group_size), a, torch.zeros((), dtype=a.dtype, device=a.device))
     out = am.to(acc) @ w_o_t.to(acc)
     if b_o is not None:
         out = out + b_o.to(acc)

@@ -119,8 +119,8 @@ def _launcher(kernel, wrap):
 
 
 def _as_uint8(mask: torch.Tensor) -> torch.Tensor:
-    # Masks arrive as bool or already as uint8. Convert with .to(), never .view(): Inductor 2.11 cannot
-    # lower aten.view.dtype to or from bool (seen on the H200 when a triton_op body is traced).
+    # Masks arrive as bool or already as uint8. Convert with .to(), never .view(): Inductor cannot lower
+    # aten.view.dtype to or from bool when a triton_op body is traced.
     return mask.contiguous() if mask.dtype == torch.uint8 else mask.contiguous().to(torch.uint8)
 
 

@@ -1,6 +1,7 @@
 """Graph-side wrappers around the WIDE kernel ops (wide_compile.kernels: wide_mlp / wide_q_proj /
 wide_o_proj, backed by torch.ops.wide.*). The passes insert calls to these N-d wrappers; AOT autograd
-traces through them, so the graph Inductor sees holds reshapes + the torch.ops.wide ops (T = all tokens)."""
+traces through them, so the graph Inductor sees holds reshapes + the torch.ops.wide ops (T = all tokens).
+`tuning` is the kernels' tile table as JSON ("" = the device's shipped one; wide_compile.kernels.tuning)."""
 from __future__ import annotations
 
 OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj")
@@ -25,20 +26,20 @@ def _flat_mask(mask, lead):
     return mask.expand(*lead, g).reshape(-1, g)
 
 
-def wide_mlp_nd(x, w_gate, w_up, w_down_t, mask, group_size: int):
+def wide_mlp_nd(x, w_gate, w_up, w_down_t, mask, group_size: int, tuning: str = ""):
     lead = x.shape[:-1]
     out = kernels().wide_mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down_t, _flat_mask(mask, lead),
-                             group_size)
+                             group_size, tuning)
     return out.reshape(*lead, out.shape[-1])
 
 
-def wide_q_proj_nd(x, w_q, b_q, mask, group_cols: int):
+def wide_q_proj_nd(x, w_q, b_q, mask, group_size: int, tuning: str = ""):
     lead = x.shape[:-1]
-    out = kernels().wide_q_proj(x.reshape(-1, x.shape[-1]), w_q, b_q, _flat_mask(mask, lead), group_cols)
+    out = kernels().wide_q_proj(x.reshape(-1, x.shape[-1]), w_q, b_q, _flat_mask(mask, lead), group_size, tuning)
     return out.reshape(*lead, out.shape[-1])
 
 
-def wide_o_proj_nd(a, w_o_t, b_o, mask, group_rows: int):
+def wide_o_proj_nd(a, w_o_t, b_o, mask, group_size: int, tuning: str = ""):
     lead = a.shape[:-1]
-    out = kernels().wide_o_proj(a.reshape(-1, a.shape[-1]), w_o_t, b_o, _flat_mask(mask, lead), group_rows)
+    out = kernels().wide_o_proj(a.reshape(-1, a.shape[-1]), w_o_t, b_o, _flat_mask(mask, lead), group_size, tuning)
     return out.reshape(*lead, out.shape[-1])

@@ -15,7 +15,7 @@ from torch import fx
 
 from ._graph import (arg, is_linear, is_meta_use, is_per_head, is_reshape, is_sdpa, linear_parts,
                      match_group_mask, tensor_args)
-from .manager import AttnMatch, Pass, PassContext, log
+from .base import AttnMatch, Pass, PassContext, log
 
 
 def _ancestor_linears(start: fx.Node) -> set[fx.Node]:

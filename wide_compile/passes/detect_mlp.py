@@ -10,7 +10,7 @@ parameters; gate and up share their input x. Names are never consulted.
 from __future__ import annotations
 
 from ._graph import is_linear, is_mul, is_silu, last_dim, linear_parts, match_group_mask
-from .manager import MLPMatch, Pass, PassContext, log
+from .base import MLPMatch, Pass, PassContext, log
 
 
 def _swiglu(p):
@@ -48,9 +48,9 @@ class DetectSwiGLU(Pass):
                          expand_nodes=expand)
             m.layer = len(ctx.mlps)
             ctx.mlps.append(m)
-            F = last_dim(gate)
-            if G is not None and F is not None and G * gs != F:
-                m.status, m.reason = "fallback", f"mask groups {G}x{gs} do not cover the FFN width {F}"
+            why = ctx.group_mismatch("ffn", G, gs, last_dim(gate)) if G is not None else None
+            if why:  # left dense, and said so (strict mode raises)
+                ctx.fallback("SwiGLU MLP", m.down, why, match=m)
         ctx.count("detect_mlp.matched", len(ctx.mlps))
         ctx.count("detect_mlp.masked", sum(m.form == "masked" for m in ctx.mlps))
         for m in ctx.mlps:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ._graph import erase_unused, last_dim, linear_parts, node_index
 from ._ops import wide_o_proj_nd, wide_q_proj_nd
-from .manager import Pass, PassContext, log
+from .base import Pass, PassContext, log
 
 
 class RewriteAttention(Pass):
@@ -23,16 +23,16 @@ class RewriteAttention(Pass):
             why = None
             if not (W.is_static_weight(wo) and W.is_static_weight(wq)):
                 why = "q/o weights are not model parameters"
-            elif nq is not None and a.groups * a.group_size != nq:
-                why = f"{a.groups} head groups x {a.group_size} columns do not cover the q width {nq}"
             elif last_dim(a.q) is not None and last_dim(a.q) != nq:
                 why = f"q width {last_dim(a.q)} != o input width {nq}"
+            else:
+                why = ctx.group_mismatch("attn", a.groups, a.group_size, nq)
             if why:
                 ctx.fallback("attention", a.o, why, match=a)
                 continue
             with ctx.gm.graph.inserting_before(a.o):
                 wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
-                new_o = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size))
+                new_o = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size, ctx.kernel_tuning))
             a.o.replace_all_uses_with(new_o)
             erase_unused(ctx.gm, [a.o, *a.expand_nodes])
             ctx.count("rewrite_attention.o_rewritten")
@@ -40,7 +40,7 @@ class RewriteAttention(Pass):
                 a.q_ok, a.q_reason = False, "router mask is computed after q"
             if a.q_ok:
                 with ctx.gm.graph.inserting_before(a.q):
-                    new_q = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size))
+                    new_q = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, ctx.kernel_tuning))
                 a.q.replace_all_uses_with(new_q)
                 erase_unused(ctx.gm, [a.q])
                 ctx.count("rewrite_attention.q_rewritten")

@@ -6,7 +6,7 @@ import operator
 
 from ._graph import erase_unused, last_dim, linear_parts
 from ._ops import wide_mlp_nd
-from .manager import Pass, PassContext, log
+from .base import Pass, PassContext, log
 
 
 class RewriteMLP(Pass):
@@ -25,14 +25,14 @@ class RewriteMLP(Pass):
                 why = "gate/up projections carry a bias (wide.mlp has none)"
             elif not all(W.is_static_weight(w) for w in (wg, wu, wd)):
                 why = "gate/up/down weights are not model parameters"
-            elif last_dim(m.gate) is not None and m.groups * m.group_size != last_dim(m.gate):
-                why = f"{m.groups} groups x {m.group_size} do not cover the FFN width {last_dim(m.gate)}"
+            else:
+                why = ctx.group_mismatch("ffn", m.groups, m.group_size, last_dim(m.gate))
             if why:
                 ctx.fallback("SwiGLU MLP", m.down, why, match=m)
                 continue
             with ctx.gm.graph.inserting_before(m.down):
                 wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
-                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size))
+                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, ctx.kernel_tuning))
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
             m.down.replace_all_uses_with(new)
