@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device calls behind benchmarks/results, as a recipe: `bash scripts/gpu_calls.sh STEP [STEP ...]`, run
 # from the repo root on the GPU machine (one device call runs one or more steps). What ran when, with which
-# command, lives in benchmarks/results (every results file names its command, machine and date).
+# command, lives in benchmarks/results (every results file names its command, machine and date); a results
+# README that names a step not listed here means a step of an earlier version of this file (git log -p).
 #
 # Limits the steps are cut to (the device library's README): one call runs at most 10 minutes and carries
 # at most 64 MiB of ignored files; the GPU machine has no network. Each step's `timeout` keeps it inside one

@@ -186,10 +186,21 @@ class BenchOptions:
         return self.ffn_group_size, self.head_group_size
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; every option's help ends with its default (unless unset or the help
+    already says it)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h:
+            h += (" " if h else "") + "(default: %(default)s)"
+        return h
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--models", nargs="+", default=None, help=f"subset of {MODELS} (default: all)")
-    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES, help="phases to time")
     p.add_argument("--capacities", nargs="+", type=float, default=None, help="default 1.0 0.75 0.5 0.3")
     p.add_argument("--masks", nargs="+", default=["random", "correlated"], choices=MASKS,
                    help="random, correlated, trained (trained: real SmolLM2 only; added automatically there)")
@@ -206,10 +217,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "random+correlated, a 240 s budget")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (tests); not a measurement")
     p.add_argument("--smoke-inductor", action="store_true", help="in --smoke, use real Inductor (slow on CPU)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="folder of the results files")
     p.add_argument("--name", default=None, help="output file stem (default e2e-h200, or e2e-smoke)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="model dtype")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting new variants/rows once this many seconds have passed")
     p.add_argument("--no-budget-split", action="store_true",
@@ -220,15 +231,15 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "WIDE compile per row): kernel error alone, no router decision can flip")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler table of the top kernels of the WIDE / static / dense steps per row")
-    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--profile-steps", type=int, default=5, help="steps per --profile table")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--target-s", type=float, default=1.0, help="seconds of timed steps per variant and row")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first call")
     p.add_argument("--calib-tokens", type=int, default=1024, help="tokens used to calibrate routers")
-    p.add_argument("--ffn-group-size", type=int, default=64)
-    p.add_argument("--head-group-size", type=int, default=1)
-    p.add_argument("--smollm2-ffn-group-size", type=int, default=64)
-    p.add_argument("--smollm2-head-group-size", type=int, default=1)
+    p.add_argument("--ffn-group-size", type=int, default=64, help="FFN channels per router group")
+    p.add_argument("--head-group-size", type=int, default=1, help="query heads per router group")
+    p.add_argument("--smollm2-ffn-group-size", type=int, default=64, help="the same for SmolLM2")
+    p.add_argument("--smollm2-head-group-size", type=int, default=1, help="the same for SmolLM2")
     p.add_argument("--smollm2-weights", choices=["auto", "random"], default="auto",
                    help="auto: the real SmolLM2 if it loads without network, else its shape with random weights")
     p.add_argument("--smollm2-gguf", default=None, help="path of SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -261,11 +272,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="attention of every variant: transformers' SDPA path (default; compiled models get an "
                         "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "
                         "queries and keys have the same length (unpadded prefill; e2e/attention.py)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "
                         "(frees compiled WIDE graphs) and re-prepare the dense reference")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and routers")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     return p
 
