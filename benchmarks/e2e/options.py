@@ -266,8 +266,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="time the non-random mask kinds only at these capacities (random at every one): a "
                         "correlated row costs as much as a random one")
     p.add_argument("--kernel-config", default=None, metavar="JSON",
-                   help='WIDE kernel config changes per phase for the whole run, e.g. \'{"decode": {"lists": "none"}}\' '
-                        "(recorded in every record)")
+                   help="WIDE kernel config changes per phase for the whole run, e.g. "
+                        '\'{"decode": {"lists": "none"}}\' (recorded in every record)')
     p.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                    help="attention of every variant: transformers' SDPA path (default; compiled models get an "
                         "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "

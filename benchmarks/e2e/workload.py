@@ -297,7 +297,8 @@ class Workload:
         if all(self.row_done(c, m) for c in caps for m in self.masks_at(c)):
             log(f"  {self.phase} tokens={self.tokens} batch={self.batch}: all rows done (resume)")
             return
-        log(f"-- {self.bm.name} {self.phase} tokens={self.tokens} batch={self.batch} ({self.run.elapsed():.0f}s elapsed)")
+        log(f"-- {self.bm.name} {self.phase} tokens={self.tokens} batch={self.batch} "
+            f"({self.run.elapsed():.0f}s elapsed)")
         with torch.no_grad():
             self.build_dense()
             for cap in caps:
