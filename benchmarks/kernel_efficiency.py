@@ -5,10 +5,11 @@ many tokens (FLOPs of the active work only).
 
     python benchmarks/kernel_efficiency.py benchmarks/results/kernels-h200.json [--markdown]
 
-Ceilings are the ones measured on the lent H200s (device library KINDS.md): 4.3 TB/s device-to-device copy,
-788 TFLOP/s for an 8192^3 bf16 matrix product on random data. Active bytes at T tokens need the density of
-the union of the T tokens' masks (`union_density`, recorded by newer runs); older records have only the
-per-token density, so few-token rows are computed for T = 1 alone (where the two are equal).
+The ceilings (a device-to-device copy's bandwidth, an 8192^3 bf16 matrix product's rate on random data) are
+read from benchmarks/results/device-ceilings-h200.json, which says where and how they were measured.
+Active bytes at T tokens need the density of the union of the T tokens' masks (`union_density`); records
+without it have only the per-token density, so their few-token rows are computed for T = 1 alone (where
+the two are equal).
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HBM_CEIL = 4.3e12   # B/s
-TC_CEIL = 788e12    # FLOP/s
+CEILINGS = json.loads((Path(__file__).resolve().parent / "results" / "device-ceilings-h200.json").read_text())
+HBM_CEIL = CEILINGS["hbm_copy_bytes_per_s"]   # B/s
+TC_CEIL = CEILINGS["bf16_matmul_flop_per_s"]  # FLOP/s
 BYTES = 2           # bf16
 
 

@@ -7,8 +7,8 @@ Runs a tiny HF Llama once eagerly, with scaled_dot_product_attention spied on, a
 torch.compile with a backend that only reads the FX graph, and prints for each: whether SDPA got an explicit
 attention mask, and its is_causal flag. On torch < 2.14, transformers keeps the causal mask while Dynamo
 traces (masking_utils._ignore_causal_mask_sdpa), so every compiled model (dense Inductor, static, WIDE)
-runs masked SDPA, while eager runs is_causal=True without a mask: the reason eager dense beats Inductor at
-8192-token prefill on the H200 (benchmarks/results/E2E_NOTES.md, fifth session) is looked for here.
+runs masked SDPA, while eager runs is_causal=True without a mask. This script shows which of the two a
+run gets: the explanation results/E2E_NOTES.md gives for eager dense beating Inductor at long prefill.
 """
 from __future__ import annotations
 

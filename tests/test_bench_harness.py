@@ -167,8 +167,8 @@ def test_kernel_config_option(tmp_path):
 
 def test_correlated_capacities_option(tmp_path, capsys):
     """--correlated-capacities: random masks at every capacity, the other kinds only at the listed ones; a
-    --resume of the same command finds every row done and compiles nothing (the H200 run of 2026-12-02
-    re-compiled finished workloads, because the resume check expected correlated rows at every capacity)."""
+    --resume of the same command finds every row done and compiles nothing (the resume check expects the
+    same mask kinds per capacity as the run, or it would re-compile finished workloads)."""
     import bench_e2e
 
     _register_fake_backend()
@@ -227,8 +227,8 @@ def test_missing_cells_and_merge(tmp_path):
 
 
 def test_speedup_vs_best_dense(tmp_path):
-    """WIDE is also compared with the fastest dense variant timed in the same run (eager beats Inductor at
-    long prefill on the H200); variants that were not timed (None) are ignored; the merge fills the field
+    """WIDE is also compared with the fastest dense variant timed in the same run (eager can beat Inductor
+    at long prefill); variants that were not timed (None) are ignored; the merge fills the field
     for older records and the table shows it."""
     import plot_e2e
     from e2e import report as R
@@ -249,10 +249,10 @@ def test_speedup_vs_best_dense(tmp_path):
     assert "speedup vs fastest dense" in md and "| 0.88 |" in md
 
 
-def test_text_ids_rows_differ(tmp_path, monkeypatch):
+def test_text_ids_rows_differ(tmp_path):
     """The real model's prompts: each batch row is its own piece of the text (identical rows would share
     their masks and flatter WIDE at batch > 1), read from --text-file."""
-    import bench_e2e
+    from e2e.text import text_ids
 
     class Tok:  # one id per character
         def __call__(self, text, return_tensors=None):
@@ -262,12 +262,11 @@ def test_text_ids_rows_differ(tmp_path, monkeypatch):
 
     f = tmp_path / "t.txt"
     f.write_text("".join(chr(33 + i % 90) for i in range(500)))
-    monkeypatch.setattr(bench_e2e, "_TEXT_FILE", str(f))
-    ids = bench_e2e.text_ids(Tok(), 64, batch=4)
+    ids = text_ids(Tok(), 64, batch=4, text_file=str(f))
     assert ids.shape == (4, 64)
     assert len({tuple(r.tolist()) for r in ids}) == 4
     assert ids[1, 0].item() == (33 + 64 % 90) % 97  # row 1 continues where row 0 ended
-    long = bench_e2e.text_ids(Tok(), 300, batch=2)  # longer than the text: wraps around
+    long = text_ids(Tok(), 300, batch=2, text_file=str(f))  # longer than the text: wraps around
     assert long.shape == (2, 300) and not (long[0] == long[1]).all()
 
 
@@ -386,3 +385,77 @@ def test_capacity_table_is_ratios_of_records():
     assert rows[3] == "| m | decode ctx 1024×1 | 2.00 ms | 0.80× | – | 1.25× | – | – | 2.00× | – |"
     assert len(rows) == 4 and R.capacity_table(recs, masks="trained") == []
     assert "by capacity" in R.markdown({"records": recs})
+
+
+def test_options_match_the_parser():
+    """BenchOptions' fields are argparse's dests with the same defaults (records store them as "options"),
+    the presets resolve as documented, and the variant registry names each record field prefix once."""
+    import dataclasses
+
+    from e2e.options import BenchOptions, build_parser, parse_options
+    from e2e.variants import VARIANTS
+
+    ns = build_parser().parse_args([])
+    fields = {f.name: f for f in dataclasses.fields(BenchOptions)}
+    assert list(vars(ns)) == list(fields)
+    assert vars(ns) == dataclasses.asdict(BenchOptions())
+    o = parse_options(["--smoke"])
+    assert (o.models, o.device, o.dtype, o.prefill_tokens, o.capacities, o.name) == \
+        (["tiny"], "cpu", "fp32", [16], [1.0, 0.5], "e2e-smoke")
+    q = parse_options(["--quick", "--device", "cpu"])
+    assert q.layers == 8 and q.time_budget_s == 240.0 and "max_autotune" not in q.variants
+    full = parse_options(["--device", "cpu"])
+    assert full.variants == list(VARIANTS) and full.capacities == [1.0, 0.75, 0.5, 0.3]
+    assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_eager",
+                              "trt"]
+    assert len({s.key for s in VARIANTS.values()}) == len(VARIANTS)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--capacities", "0"], "--capacities"),
+    (["--capacities", "1.5"], "(0, 1]"),
+    (["--models", "llama-9b"], "unknown"),
+    (["--prefill-tokens", "0"], "positive"),
+    (["--rounds", "0"], "--rounds"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--target-s", "0"], "--target-s"),
+    (["--device", "gpu"], "--device"),
+    (["--kernel-config", "{decode"], "not JSON"),
+    (["--kernel-config", '{"decode": 3}'], '"decode"'),
+    (["--kernel-config", '{"decode_x": {}}'], '"decode"'),
+])
+def test_bad_options_give_one_clear_error(argv, words, capsys):
+    from e2e.options import parse_options
+
+    with pytest.raises(SystemExit) as e:
+        parse_options(["--device", "cpu"] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error:" in err and words in err, err
+
+
+def test_gpu_calls_use_existing_options():
+    """scripts/gpu_calls.sh's steps call bench_e2e.py, bench_kernels.py and check_compiled_gpu.py only with
+    options those scripts have (a renamed option would fail on the GPU machine, where a call is expensive)."""
+    import re
+
+    from e2e.options import build_parser
+
+    text = (ROOT / "scripts" / "gpu_calls.sh").read_text()
+    body = text[text.index("step() {"):]
+    steps = re.split(r"\n  (?=[a-z0-9_|]+\)\s)", body)
+    e2e_flags = {s for a in build_parser()._actions for s in a.option_strings}
+    scripts = {"bench_kernels.py": ROOT / "benchmarks" / "bench_kernels.py",
+               "check_compiled_gpu.py": ROOT / "benchmarks" / "check_compiled_gpu.py"}
+    seen_e2e = 0
+    for st in steps:
+        code = "\n".join(line.split("#")[0] for line in st.splitlines())
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code))
+        if re.search(r"^\s*e2e |bench_e2e\.py", code, re.M):
+            seen_e2e += 1
+            assert flags <= e2e_flags, (st.split(")")[0], flags - e2e_flags)
+        for name, path in scripts.items():
+            if name in code:
+                known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', path.read_text()))
+                assert flags <= known, (st.split(")")[0], name, flags - known)
+    assert seen_e2e >= 8

@@ -3,7 +3,7 @@
 "sdpa": transformers' own SDPA path, what a user gets. On torch < 2.14 transformers keeps an explicit
 causal mask while Dynamo traces, where eager passes `is_causal=True` without a mask
 (`benchmarks/sdpa_causal_check.py`), so every compiled model (dense Inductor, static and WIDE alike) runs
-masked SDPA: the reason eager dense beats Inductor from 8192 tokens on the H200 (results/E2E_NOTES.md).
+masked SDPA, which is why eager dense can beat Inductor at long prefill (results/E2E_NOTES.md).
 
 "sdpa_unpadded": the same SDPA call, except that where queries and keys have the same length (prefill
 from an empty cache, the only prefill the benchmark runs) the mask is dropped and SDPA runs its causal

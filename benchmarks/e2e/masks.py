@@ -25,9 +25,9 @@ correlated  a synthetic router-like model. Each router is still linear (so it ru
             When trained SmolLM2 routers ship (`Routers.available()`), the statistics are *measured* on
             them (real text through the real model) and rho is fitted by a small grid search so the
             synthetic masks reach the measured coherence; otherwise DEFAULT_STATS, the same statistics
-            measured offline on those routers (see there), are used; the JSON says which
-            (record["mask_model"]). Not reproduced: real text's token-order effects (kappa_adjacent
-            ~0.23, random-pair kappa ~0.07); the synthetic tokens are exchangeable (both ~0).
+            measured offline on those routers (results/mask-stats), are used; the JSON says which
+            (record["mask_model"]). Not reproduced: real text's token-order effects (kappa_adjacent,
+            well above the random-pair kappa there); the synthetic tokens are exchangeable (both ~0).
 
 all-on      capacity 1.0: random routers with +1e4 biases (every group on) - the cost of routing itself.
 
@@ -35,8 +35,10 @@ trained     SmolLM2's shipped routers, on the real SmolLM2 model only.
 """
 from __future__ import annotations
 
+import json
 import math
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -45,11 +47,17 @@ from wide_compile.routing import record_logits, record_masks, routed
 from wide_compile.routing.capacity import FlopCost
 
 # Used when the trained routers cannot be measured in this run (e.g. the real SmolLM2 is not on the GPU
-# machine): the values measured offline on the shipped routers `smollm2-135m-c50` with the real SmolLM2-135M
-# over 1024 tokens of C4 (train-text/c4_en_train00000_first1000.jsonl), CPU, 2026-12-02, with
-# `trained_router_stats` (at 4096 tokens: rate_logit_std 2.02, tile_coherence 0.77, kappa_adjacent 0.24).
-DEFAULT_STATS = {"rate_logit_std": 2.04, "tile_coherence": 0.69, "kappa": 0.068, "kappa_adjacent": 0.23,
-                 "source": "measured offline: smollm2-135m-c50 routers, real SmolLM2-135M, 1024 C4 tokens, 2026-12-02"}
+# machine): the same statistics measured offline on the shipped routers `smollm2-135m-c50` (the file says
+# how, where and when).
+STATS_FILE = Path(__file__).resolve().parents[1] / "results" / "mask-stats" / "smollm2-135m-c50.json"
+DEFAULT_STATS = json.loads(STATS_FILE.read_text())["stats"]
+
+
+def default_stats() -> dict:
+    """A copy of DEFAULT_STATS (callers may add to it)."""
+    return dict(DEFAULT_STATS)
+
+
 LATENT_RANK = 2
 TILE = 16
 RHO_GRID = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)

@@ -59,7 +59,8 @@ DENSE_KEYS = ("eager_dense_ms", "dense_inductor_ms", "dense_max_autotune_ms", "d
 def best_dense(r: dict) -> tuple[str | None, float | None, float | None]:
     """(variant, ms, WIDE speedup over it) of the fastest dense variant timed in this record's run. The issue's
     speedup is over default Inductor; this says how WIDE fares against the best dense option that was measured
-    (e.g. eager beats Inductor at 8192-token prefill). (None, None, None) if no dense variant was timed."""
+    (eager can beat Inductor at long prefill: e2e/attention.py says why). (None, None, None) if no dense
+    variant was timed."""
     timed = [(r[k], k[:-3]) for k in DENSE_KEYS if isinstance(r.get(k), (int, float)) and r[k] > 0]
     if not timed:
         return None, None, None

@@ -229,3 +229,25 @@ def profile_step(step: Callable, reset: Callable | None, device, n: int = 5, top
     lines.append(f"{total:9.4f}  total device time per step (sum over kernels)")
     lines.append("by category: " + ", ".join(f"{k}={v:.3f} ms" for k, v in sorted(cats.items(), key=lambda x: -x[1])))
     return "\n".join(lines), {k: round(v, 4) for k, v in cats.items()}
+
+
+def profile_variants(variants: dict, device, n: int, header: str, path) -> dict:
+    """profile_step of each variant (outside its CUDA graph: the kernels, not one graph launch), printed and
+    appended to `path`; returns {variant: {category: ms per step}}."""
+    out = {}
+    lines = [f"\n===== {header} ====="]
+    for name, v in variants.items():
+        if v is None:
+            continue
+        step = v.info.get("raw_step", v.step)
+        try:
+            table, cats = profile_step(step, v.reset, device, n=n)
+            out[name] = cats
+            lines += [f"--- {name} ---", table]
+        except Exception as e:  # noqa: BLE001  a profile is extra information; the row stands without it
+            lines.append(f"--- {name}: profile failed: {type(e).__name__}: {e}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    with open(path, "a") as f:
+        f.write(text + "\n")
+    return out

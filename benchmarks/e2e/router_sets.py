@@ -1,0 +1,91 @@
+"""The routers of a row, by capacity and mask kind (e2e/masks.py builds them), made once per model and
+reused across its workloads; each records the capacity it gives on the calibration tokens."""
+from __future__ import annotations
+
+from . import masks as M
+from .run_state import log
+
+
+class RouterSets:
+    def __init__(self, bm):
+        self.bm = bm
+        self.cache: dict = {}
+        self.mask_model: dict | None = None  # the correlated masks' fitted model, once fitted
+
+    def cfg(self, cap: float):
+        ffn, head = self.bm.run.options.group_sizes(self.bm.name)
+        return M.make_cfg(cap, ffn, head)
+
+    def correlated_model(self) -> dict:
+        """Fit the correlated masks' rho to the trained routers' statistics (or the stored defaults)."""
+        if self.mask_model is not None:
+            return self.mask_model
+        run, o = self.bm.run, self.bm.run.options
+        stats = None
+        if not o.no_trained_stats:
+            if run.trained_stats is None:
+                run.trained_stats = M.trained_router_stats(run.device, run.dtype, self.bm.text_ids, log=log,
+                                                           gguf=o.smollm2_gguf) or {}
+            stats = run.trained_stats
+        stats = stats or M.default_stats()
+        rho, tried = M.fit_rho(self.bm.wide_model, self.cfg, self.bm.calib_ids, 0.5, stats, seed=o.seed, log=log,
+                               grid=(0.0, 0.9) if o.smoke else M.RHO_GRID)
+        self.mask_model = {"stats_target": {k: v for k, v in stats.items() if k != "all"}, "rho": rho,
+                           "rank": M.LATENT_RANK, "fit": tried}
+        log(f"  correlated mask model: {self.mask_model['stats_target']} -> rho={rho}")
+        return self.mask_model
+
+    def trained(self, cap: float):
+        """The shipped SmolLM2 routers closest to `cap` (within 0.05)."""
+        if self.bm.weights != "pretrained":
+            raise RuntimeError("trained routers need the real SmolLM2 weights")
+        names = [n for n in M.Routers.available() if "smollm" in n.lower()]
+        cands = []
+        for n in names:
+            try:
+                rr = M.Routers.pretrained(n, self.bm.wide_model)
+                cands.append((abs(rr.cfg.capacity - cap), n, rr))
+            except Exception as e:  # noqa: BLE001  one unloadable set does not stop the others
+                log(f"  trained routers {n}: {e}")
+        cands = [c for c in cands if c[0] <= 0.05]
+        if not cands:
+            raise RuntimeError(f"no trained SmolLM2 routers with capacity ~{cap} (available: {names or 'none'})")
+        return min(cands, key=lambda c: c[0])[2]
+
+    def build(self, cap: float, masks: str):
+        bm, seed = self.bm, self.bm.run.options.seed
+        if cap >= 0.9999:
+            return M.all_on_routers(bm.wide_model, self.cfg(1.0), seed=seed)
+        if masks == "random":
+            return M.random_routers(bm.wide_model, self.cfg(cap), bm.calib_ids, cap, seed=seed)
+        if masks == "correlated":
+            mm = self.correlated_model()
+            return M.correlated_routers(bm.wide_model, self.cfg(cap), bm.calib_ids, cap, mm["rho"],
+                                        mm["stats_target"], seed=seed)
+        if masks == "trained":
+            return self.trained(cap)
+        raise ValueError(f"mask kind {masks!r}: expected random, correlated or trained")
+
+    def get(self, cap: float, masks: str):
+        key = (round(cap, 4), masks)
+        if key not in self.cache:
+            r = self.build(cap, masks)
+            self._calibration_capacity(r)
+            self.cache[key] = r
+        return self.cache[key]
+
+    def _calibration_capacity(self, r) -> None:
+        """r.calib_capacity: the capacity on the calibration tokens (a decode row's own is one token's)."""
+        import torch
+        import wide_compile as wc
+
+        wm = self.bm.wide_model
+        try:
+            wc.attach(wm, r)
+            try:
+                with torch.no_grad():
+                    r.calib_capacity = round(wc.measure_capacity(wm, self.bm.calib_ids)["overall"], 4)
+            finally:
+                wc.detach(wm)
+        except Exception as e:  # noqa: BLE001  the record then has no calibrated_capacity
+            log(f"    measure_capacity on calibration tokens failed: {type(e).__name__}: {e}")

@@ -1,0 +1,157 @@
+"""The timed variants of a row: one small builder each, in a registry (`VARIANTS`, --variants name ->
+VariantSpec), so adding a variant is one function and one entry.
+
+  eager         the HF model, eager
+  inductor      torch.compile default mode (prefill) / mode="reduce-overhead" CUDA graphs (decode):
+                the baseline, speedup = dense_inductor_ms / wide_ms
+  max_autotune  torch.compile mode="max-autotune-no-cudagraphs" (prefill)
+  inductor_cg   torch.compile default mode captured in a manual CUDA graph (decode; the capture method
+                WIDE's decode step uses)
+  static        a physically smaller model of the same FLOP capacity (fewer q heads, narrower FFN) under
+                Inductor, same mode as `inductor`: the ceiling for dynamic routing
+  wide          torch.compile(model, backend="wide") with routers attached (decode: + manual CUDA graph)
+  wide_eager    the WIDE eager reference (wide_compile.attach hooks)
+  trt           torch-tensorrt (prefill), when importable
+
+A builder takes the workload (e2e/workload.Workload: its inputs, models and compile helpers) and the row
+(`Row`: capacity, routers) and returns `Built` = (step, reset, info); `step()` runs one timed step,
+`reset()` runs before it outside the timed region, `info` lands in the record (mode, cuda_graph, entry) and
+may hold "_keep", an object kept alive with the variant. `scope` says when it is built and timed:
+
+  workload  built once per workload, timed in its first row, copied into the others
+  row       built once per workload, timed in every row (the references each speedup is a ratio to)
+  capacity  built once per capacity (the static model of that capacity)
+  routers   built per row, with that row's routers attached to the WIDE model
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+from .capabilities import trt_status, wide_backend_status
+
+if TYPE_CHECKING:
+    from .workload import Workload
+
+Built = tuple  # (step: () -> output, reset: (() -> None) | None, info: dict)
+
+
+@dataclasses.dataclass
+class Row:
+    """What a row-dependent builder needs: the capacity, the routers, and what the static builder found."""
+    capacity: float
+    routers: object | None = None
+    static_shape: object | None = None  # e2e/models.StaticShape of the static model, once built
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantSpec:
+    name: str                                   # the --variants name
+    key: str                                    # the record's field prefix: <key>_ms, <key>_p10, ...
+    scope: str                                  # workload | row | capacity | routers (module docstring)
+    build: Callable[["Workload", Row | None], Built]
+    applies: Callable[["Workload"], bool] = lambda w: True        # False: not in this workload, no trace
+    why_not: Callable[["Workload"], str | None] = lambda w: None  # a reason: recorded under "skipped"
+
+
+# -- builders -------------------------------------------------------------------------------------
+def build_eager(w: "Workload", row=None) -> Built:
+    return w.step_of(w.dense), w.reset, {}
+
+
+def build_inductor(w: "Workload", row=None) -> Built:
+    if w.phase == "prefill" or not w.cuda:
+        return w.step_of(w.inductor(w.dense)), w.reset, {"mode": "default"}
+    return w.step_of(w.inductor(w.dense, "reduce-overhead")), w.cudagraph_tree_reset(), {"mode": "reduce-overhead"}
+
+
+def build_max_autotune(w: "Workload", row=None) -> Built:
+    mode = "max-autotune-no-cudagraphs"
+    return w.step_of(w.inductor(w.dense, mode)), w.reset, {"mode": mode}
+
+
+def build_inductor_cg(w: "Workload", row=None) -> Built:
+    return w.graphed(w.step_of(w.inductor(w.dense)), w.reset, {"mode": "default+cudagraph"})
+
+
+def build_trt(w: "Workload", row=None) -> Built:
+    import torch
+    import torch_tensorrt  # noqa: F401  registers the backend
+
+    m = torch.compile(w.dense, backend="torch_tensorrt", dynamic=False,
+                      options={"enabled_precisions": {w.dtype}, "min_block_size": 1})
+    return w.step_of(m), w.reset, {}
+
+
+def build_static(w: "Workload", row: Row) -> Built:
+    from . import models as MD
+
+    sm, row.static_shape = MD.build_static(w.config, row.capacity, w.device, w.dtype, seed=w.options.seed + 1)
+    if w.phase == "prefill" or not w.cuda:
+        return w.step_of(w.inductor(sm)), w.reset, {"mode": "default", "_keep": sm}
+    return (w.step_of(w.inductor(sm, "reduce-overhead")), w.cudagraph_tree_reset(),
+            {"mode": "reduce-overhead", "_keep": sm})
+
+
+def compile_wide(wide_model, routers, options, **kw):
+    """The WIDE model compiled the way --wide-entry says (routers already attached for "backend")."""
+    import torch
+
+    if options.wide_entry == "optimize":
+        import wide_compile as wc
+
+        return wc.optimize(wide_model, routers, dynamic=False, **kw)
+    return torch.compile(wide_model, dynamic=False, backend=options.wide_backend, **kw)
+
+
+def build_wide(w: "Workload", row: Row) -> Built:
+    o = w.options
+    inductor_graphs = w.phase == "decode" and w.cuda and o.wide_decode_mode == "reduce-overhead"
+    step = w.step_of(compile_wide(w.wide_model, row.routers, o,
+                                  **({"mode": "reduce-overhead"} if inductor_graphs else {})))
+    if inductor_graphs:
+        return step, w.cudagraph_tree_reset(), {"entry": o.wide_entry, "mode": "reduce-overhead"}
+    if w.phase == "decode" and o.wide_decode_mode == "manual-graph":
+        try:
+            return w.graphed(step, w.reset, {"entry": o.wide_entry})
+        except Exception as e:  # noqa: BLE001  time it without graphs and say why
+            w.log(f"    wide: CUDA-graph capture failed ({type(e).__name__}: {str(e)[:200]}); timing without graphs")
+            w.free()
+            return step, w.reset, {"entry": o.wide_entry, "cuda_graph": False, "cuda_graph_error": str(e)[:300]}
+    return step, w.reset, {"entry": o.wide_entry}
+
+
+def build_wide_eager(w: "Workload", row: Row) -> Built:
+    return w.step_of(w.wide_model), w.reset, {}
+
+
+# -- reasons a variant is skipped ---------------------------------------------------------------
+def _cg_why_not(w: "Workload") -> str | None:
+    return None if w.cuda else "CUDA graphs need a GPU"
+
+
+def _trt_why_not(w: "Workload") -> str | None:
+    if w.phase == "decode":
+        return "torch-tensorrt decode with a mutating static KV cache is not supported by this harness"
+    why = trt_status()
+    return why if why or w.cuda else "torch-tensorrt needs CUDA"
+
+
+def _wide_why_not(w: "Workload") -> str | None:
+    return wide_backend_status(w.options.wide_backend)
+
+
+VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
+    VariantSpec("eager", "eager_dense", "workload", build_eager),
+    VariantSpec("inductor", "dense_inductor", "row", build_inductor),
+    VariantSpec("max_autotune", "dense_max_autotune", "workload", build_max_autotune,
+                applies=lambda w: w.phase == "prefill" and not w.options.smoke),
+    VariantSpec("inductor_cg", "dense_inductor_cg", "row", build_inductor_cg,
+                applies=lambda w: w.phase == "decode", why_not=_cg_why_not),
+    VariantSpec("static", "static", "capacity", build_static),
+    VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
+    VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
+    VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
+)}
+# the order dense variants are built in (the reference first: it is re-built after a memory reset)
+DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")
