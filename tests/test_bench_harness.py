@@ -146,23 +146,25 @@ def test_attention_option(tmp_path):
 
 
 def test_kernel_config_option(tmp_path):
-    """--kernel-config sets the process-wide per-phase kernel overrides for the run and every record says so;
-    a malformed value is refused before anything runs."""
+    """--kernel-config reaches every WIDE model the run compiles as the backend's kernel_config (nothing
+    process-wide changes) and every record says so; a malformed value is refused before anything runs."""
     import bench_e2e
-    from wide_compile.kernels import compact_mlp as cm
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
-    _register_fake_backend()
-    old = cm.set_default_overrides()
-    try:
-        data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "decode",
-                               "--decode-batch", "1", "--capacities", "0.5", "--masks", "random", "--variants",
-                               "wide", "--no-plot", "--kernel-config", '{"decode": {"lists": "none"}}'])
-        assert data["records"] and all(r["kernel_config"] == '{"decode": {"lists": "none"}}' for r in data["records"])
-        assert cm._PHASE_OVERRIDES["decode"] == {"lists": "none"}
-        with pytest.raises(SystemExit):
-            bench_e2e.main(["--smoke", "--out", str(tmp_path), "--kernel-config", '{"decode_x": {}}'])
-    finally:
-        cm.set_default_overrides(**old)
+    seen = []
+    name = "wide_smoke_fake_kc"
+    if name not in _BACKENDS:
+        @register_backend(name=name)
+        def _fake_kc(gm, example_inputs, **kw):  # noqa: ARG001
+            seen.append(kw.get("options", {}).get("kernel_config"))
+            return gm.forward
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", name, "--phases", "decode",
+                           "--decode-batch", "1", "--capacities", "0.5", "--masks", "random", "--variants",
+                           "wide", "--no-plot", "--kernel-config", '{"decode": {"lists": "none"}}'])
+    assert data["records"] and all(r["kernel_config"] == '{"decode": {"lists": "none"}}' for r in data["records"])
+    assert seen and all(kc == {"decode": {"lists": "none"}} for kc in seen)
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--smoke", "--out", str(tmp_path), "--kernel-config", '{"decode_x": {}}'])
 
 
 def test_correlated_capacities_option(tmp_path, capsys):

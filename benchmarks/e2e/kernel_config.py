@@ -1,12 +1,9 @@
-"""--kernel-config: the WIDE kernel config changes a run makes, applied in this one place (the kernels read
-them for the whole process)."""
+"""--kernel-config: the WIDE kernel config of a run, handed to every WIDE model the run compiles (the
+backend keeps it in the graph it compiles; nothing process-wide changes)."""
 from __future__ import annotations
 
 
-def apply_kernel_config(overrides: dict) -> None:
-    """overrides: {"decode"|"prefill": {field: value}} (e2e/options.BenchOptions.kernel_overrides)."""
-    if not overrides:
-        return
-    from wide_compile.kernels.compact_mlp import set_default_overrides
-
-    set_default_overrides(**overrides)
+def kernel_config(options) -> dict | None:
+    """options.kernel_overrides() as the backend's kernel_config ({"decode"|"prefill": {field: value}}),
+    or None when --kernel-config is unset (the device's shipped table)."""
+    return options.kernel_overrides() or None

@@ -11,7 +11,6 @@ from . import models as MD
 from . import report as R
 from .bench_model import BenchModel
 from .capabilities import set_dynamo_limits, trt_status, wide_backend_status
-from .kernel_config import apply_kernel_config
 from .run_state import RunState, log
 from .text import default_text_file
 from .timing import free, is_cuda
@@ -25,7 +24,6 @@ def setup(o) -> RunState:
     set_dynamo_limits()
     MD.set_attention(o.attention)  # before any model is built: every variant runs the same attention
     torch.manual_seed(o.seed)
-    apply_kernel_config(o.kernel_overrides())
     run = RunState(o)
     run.text_file = o.text_file or default_text_file()
     run.meta["text_file"] = run.text_file  # the real model's prompt text (None: the built-in paragraph)

@@ -29,6 +29,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Callable
 
 from .capabilities import trt_status, wide_backend_status
+from .kernel_config import kernel_config
 
 if TYPE_CHECKING:
     from .workload import Workload
@@ -97,11 +98,13 @@ def compile_wide(wide_model, routers, options, **kw):
     """The WIDE model compiled the way --wide-entry says (routers already attached for "backend")."""
     import torch
 
+    kc = kernel_config(options)
     if options.wide_entry == "optimize":
         import wide_compile as wc
 
-        return wc.optimize(wide_model, routers, dynamic=False, **kw)
-    return torch.compile(wide_model, dynamic=False, backend=options.wide_backend, **kw)
+        return wc.optimize(wide_model, routers, dynamic=False, **({"kernel_config": kc} if kc else {}), **kw)
+    return torch.compile(wide_model, dynamic=False, backend=options.wide_backend,
+                         **({"options": {"kernel_config": kc}} if kc else {}), **kw)
 
 
 def build_wide(w: "Workload", row: Row) -> Built:
