@@ -4,7 +4,8 @@ Protocol (HF "perplexity of fixed-length models"): the test file `wiki.test.raw`
 (its own line layout, no joining), tokenized once without special tokens; windows of `ctx` tokens
 (default 1024) advance by `stride` tokens (default 512); each window scores only the tokens not scored
 by the previous window (the first window scores all but its first token), so every token after the first
-is scored once with at least ctx - stride tokens of context (except in the first window).
+is scored once with at least ctx - stride tokens of context (except in the first window). With
+stride == ctx the windows do not overlap and each window's first token (no context) is not scored.
 ppl = exp(total NLL / scored tokens). With routers attached, the FLOP capacity on the same tokens is
 measured too (every token is real; no padding).
 """
@@ -17,11 +18,36 @@ import torch
 import torch.nn.functional as F
 
 
+WIKITEXT2_TEST = "wikitext-2/wiki.test.raw"
+
+
 def wikitext2_path(data_root) -> Path:
-    p = Path(data_root) / "wikitext-2" / "wiki.test.raw"
-    if not p.is_file():
-        raise FileNotFoundError(f"{p} not found (WikiText-2 raw test file)")
-    return p
+    from .records import require_data
+
+    return require_data(data_root, WIKITEXT2_TEST) / WIKITEXT2_TEST
+
+
+def sliding_windows(n: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
+    """[(begin, end, t0)] windows over n tokens; a window scores the targets at positions t0..end-begin-1
+    of its slice (position j is predicted from positions < j), i.e. those no earlier window scored."""
+    if ctx < 2 or not 0 < stride <= ctx:
+        raise ValueError(f"need ctx >= 2 and 0 < stride <= ctx, got ctx={ctx} stride={stride}")
+    wins, prev_end, begin = [], 0, 0
+    while True:
+        end = min(begin + ctx, n)
+        wins.append((begin, end, max(prev_end - begin, 1)))
+        prev_end = end
+        if end == n:
+            return wins
+        begin += stride
+
+
+def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """NLL of ids[:, j+1] under logits[:, j] -> [B, S-1], in float32 at least (float64 stays float64)."""
+    # logits: [B, S, V], ids: [B, S]
+    lg = logits[:, :-1]
+    lp = F.log_softmax(lg if lg.dtype == torch.float64 else lg.float(), -1)
+    return -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()
@@ -40,16 +66,7 @@ def perplexity(model, tokenizer=None, text: str | None = None, ids: torch.Tensor
         ids = ids[:max_tokens]
     dev = next(model.parameters()).device
     n = ids.numel()
-    # windows: (begin, end, first scored target position within window)
-    wins, prev_end, begin = [], 0, 0
-    while True:
-        end = min(begin + ctx, n)
-        trg = prev_end - begin  # tokens already scored
-        wins.append((begin, end, max(trg, 1)))
-        prev_end = end
-        if end == n:
-            break
-        begin += stride
+    wins = sliding_windows(n, ctx, stride)
     routed = is_attached(model)
     L = attached_routers(model).spec.num_layers if routed else 0
     acc = {"attn": [[] for _ in range(L)], "ffn": [[] for _ in range(L)]}
@@ -65,9 +82,7 @@ def perplexity(model, tokenizer=None, text: str | None = None, ids: torch.Tensor
                 logits = model(input_ids=x).logits
         else:
             logits = model(input_ids=x).logits
-        lp = F.log_softmax(logits[:, :-1].float(), -1)
-        tgt = x[:, 1:]
-        tok_nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [B, S-1], position j predicts token j+1
+        tok_nll = token_nll(logits, x)  # [B, S-1]
         for r, (b, e, t0) in enumerate(grp):
             nll += float(tok_nll[r, t0 - 1:].sum())
             cnt += tok_nll.shape[1] - (t0 - 1)

@@ -85,8 +85,11 @@ def versions() -> dict:
     return v
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m wide_compile.eval pipeline", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    from .helpfmt import DefaultsFormatter
+
+    ap = argparse.ArgumentParser(prog="wide eval pipeline", description=__doc__,
+                                 formatter_class=DefaultsFormatter)
     ap.add_argument("--data", default=None, help="data root with wikitext-2/ and the task folders "
                                                  "(default ../shared/data)")
     ap.add_argument("--tasks-dir", default=None, help="prepared lm-eval tasks (made from --data if absent)")
@@ -129,6 +132,11 @@ def main(argv=None):
     ap.add_argument("--deadline", type=float, default=None, help="seconds from start; later items are skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny steps, tiny limits")
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     a = ap.parse_args(argv)
 
     t_start = time.time()

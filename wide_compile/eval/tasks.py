@@ -61,11 +61,6 @@ _FILES = {
 }
 
 
-def needed_files(tasks=TASKS) -> list[str]:
-    """Data files (relative to the data root) that `prepare_tasks` reads."""
-    return [f for t in tasks for f in _FILES[t]]
-
-
 def _read_jsonl(p: Path) -> list[dict]:
     op = gzip.open if p.name.endswith(".gz") else open
     with op(p, "rt", encoding="utf-8") as f:

@@ -1,0 +1,164 @@
+"""Quality metrics of `wide eval` against plain references on tiny random models (CPU, float64)."""
+import json
+import math
+
+import pytest
+import torch
+
+import wide_compile as wc
+from wide_compile.eval import eval_main
+from wide_compile.eval.generation import agreement_length, agreement_summary, continuation_nll, greedy_continuations
+from wide_compile.eval.perplexity import perplexity, sliding_windows
+from wide_compile.eval.positions import bucketize, compare_buckets, position_nll, split_articles
+from wide_compile.eval.zeroshot import compare_tasks, retention_above_chance
+from wide_compile.models import tiny_model
+
+
+def _model():
+    return tiny_model("llama", dtype=torch.float64)
+
+
+def _nll_next(model, ctx_ids, target):  # brute force: one forward per scored token
+    lp = torch.log_softmax(model(input_ids=ctx_ids[None]).logits[0, -1].double(), -1)
+    return -float(lp[target].detach())
+
+
+@pytest.mark.parametrize("n,ctx,stride", [(97, 32, 16), (64, 32, 32), (50, 64, 16), (81, 20, 7)])
+def test_sliding_window_ppl_equals_brute_force(n, ctx, stride):
+    model = _model()
+    ids = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+    got = perplexity(model, ids=ids, ctx=ctx, stride=stride, batch_size=3)
+    # reference: token t is scored in the first window (begin = k*stride, end = begin+ctx) that holds it,
+    # from that window's tokens before it; a window's first token has no context and is not scored
+    # (only happens when stride == ctx, as in HF's loop)
+    tot, cnt = 0.0, 0
+    for t in range(1, n):
+        k = 0
+        while k * stride + ctx <= t:
+            k += 1
+        if k * stride == t:
+            continue
+        tot += _nll_next(model, ids[k * stride:t], int(ids[t]))
+        cnt += 1
+    assert got["tokens"] == cnt == (n - 1 if stride < ctx else n - math.ceil(n / ctx))
+    assert got["nll"] == pytest.approx(tot / cnt, rel=1e-9, abs=1e-9)
+    assert got["ppl"] == pytest.approx(math.exp(tot / cnt), rel=1e-9)
+
+
+def test_sliding_windows_score_each_target_once_with_enough_context():
+    for n, ctx, stride in [(1000, 64, 16), (7, 4, 3), (65, 64, 32), (2, 2, 1)]:
+        seen = []
+        for b, e, t0 in sliding_windows(n, ctx, stride):  # stride < ctx: every target once
+            seen += [b + j for j in range(t0, e - b)]
+            if b > 0:
+                assert t0 == ctx - stride or e == n
+        assert seen == list(range(1, n))
+    with pytest.raises(ValueError):
+        sliding_windows(10, 4, 5)
+
+
+def test_position_buckets_sum_to_total_and_match_brute_force():
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    passages = [torch.randint(0, 128, (n,), generator=g) for n in (70, 41, 70, 9)]
+    nlls = position_nll(model, passages, batch_size=3)
+    for p, v in zip(passages, nlls):
+        assert v.shape == (len(p) - 1,)
+        for j in (1, len(p) - 1):  # position j predicted from p[:j]
+            assert float(v[j - 1]) == pytest.approx(_nll_next(model, p[:j], int(p[j])), rel=1e-9)
+    rows = bucketize(nlls, (0, 8, 16, 64, 128))
+    assert [r["tokens"] for r in rows] == [7 * 4, 8 * 3 + 1, 48 * 2 + 25, 6 * 2]  # positions 1..len-1
+    total = sum(float(v.sum()) for v in nlls)
+    assert sum(r["nll_sum"] for r in rows) == pytest.approx(total, rel=1e-12)
+    assert sum(r["tokens"] for r in rows) == sum(len(p) - 1 for p in passages)
+    cmp = compare_buckets(rows, rows)
+    assert all(r["diff"] == 0 for r in cmp if r["tokens"])
+
+
+def test_split_articles_on_top_level_headings():
+    text = " = A = \n x \n = = Sub = = \n y \n = B = \n z \n"
+    arts = split_articles(text)
+    assert len(arts) == 2 and arts[0].startswith(" = A =") and "Sub" in arts[0] and arts[1].startswith(" = B =")
+
+
+def test_agreement_length():
+    assert agreement_length([1, 2, 3], [1, 2, 3], cap=64) == 64  # identical (both stopped at EOS)
+    assert agreement_length([5, 2, 3], [1, 2, 3], cap=64) == 0  # first token differs
+    assert agreement_length([1, 2, 3, 4], [1, 2, 9, 4], cap=64) == 2
+    assert agreement_length(list(range(80)), list(range(80)), cap=64) == 64
+    assert agreement_length(list(range(70)), list(range(69)) + [0], cap=64) == 64  # differs after the cap
+    assert agreement_length([1, 2], [1, 2, 3], cap=64) == 2
+
+
+def test_batched_left_padded_generation_equals_one_by_one():
+    model = _model()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    kw = dict(max_new=8, pad_id=0, eos_ids=[7])
+    batched = greedy_continuations(model, prompts, batch_size=4, **kw)
+    single = [greedy_continuations(model, [p], batch_size=1, **kw)[0] for p in prompts]
+    assert batched == single
+    for c in batched:
+        assert len(c) <= 8 and (7 not in c[:-1])
+    # routed: WIDE generation takes the same batched path
+    wc.attach(model, wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random")))
+    assert greedy_continuations(model, prompts, batch_size=4, **kw) == \
+        [greedy_continuations(model, [p], batch_size=1, **kw)[0] for p in prompts]
+    wc.detach(model)
+
+
+def test_continuation_nll_and_summary():
+    model = _model()
+    prompts = [[3, 4, 5], [9, 8]]
+    conts = [[1, 2], [6, 6, 6]]
+    got = continuation_nll(model, prompts, conts, batch_size=2)
+    for p, c, (s, n) in zip(prompts, conts, got):
+        ref = sum(_nll_next(model, torch.tensor(p + c[:j]), c[j]) for j in range(len(c)))
+        assert n == len(c) and s == pytest.approx(ref, rel=1e-9)
+    r = agreement_summary(prompts, conts, [[1, 2], [6, 5, 6]], model, max_new=3, agree_at=2)
+    assert [x["agreement"] for x in r["per_prompt"]] == [3, 1] and r["frac_agree_at"] == 0.5
+    assert r["dense_nll_of_dense"] == pytest.approx(sum(s for s, _ in got) / 5, rel=1e-9)
+
+
+def test_retention_above_chance():
+    assert retention_above_chance(0.55, 0.6, 0.5) == pytest.approx(0.5)
+    assert retention_above_chance(0.3, 0.25, 0.25) is None
+    dense = {"piqa": {"acc": 0.65, "n": 10}, "boolq": {"acc": 0.52, "n": 10}}
+    wide = {"piqa": {"acc": 0.6}, "boolq": {"acc": 0.6}}
+    r = compare_tasks(dense, wide, margin=0.05)
+    assert r["tasks"]["piqa"]["retention_above_chance"] == pytest.approx(0.1 / 0.15)
+    assert r["uninformative"] == ["boolq"] and r["mean_retention_informative"] == pytest.approx(0.1 / 0.15)
+
+
+def test_ppl_without_data_fails_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    import wide_compile.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_smollm2", boom)
+    monkeypatch.setenv("WIDE_DATA_DIR", str(tmp_path / "nowhere"))
+    assert eval_main(["ppl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "wiki.test.raw not found: pass --data PATH" in err[0]
+    assert eval_main(["quality", "--routers", "x", "--out", str(tmp_path / "o"), "--metrics", "ppl"]) == 2
+    assert "pass --data PATH" in capsys.readouterr().err
+
+
+def test_help_lists_every_command_with_defaults(capsys):
+    from wide_compile.eval.cli import COMMANDS
+
+    assert eval_main([]) == 2
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for name in COMMANDS:
+        assert f"wide eval {name}" in out
+    assert "(default: 1024)" in out and "(default: instructions-v1)" in out
+
+
+def test_committed_prompt_set():
+    from wide_compile.eval import prompts
+
+    rows = prompts.load()
+    assert len(rows) >= 100 and len({r["id"] for r in rows}) == len(rows)
+    assert all(r["prompt"] and r["source"]["file"] for r in rows)
+    assert json.loads(json.dumps(rows)) == rows

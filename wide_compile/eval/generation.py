@@ -1,0 +1,113 @@
+"""Generation agreement with dense: greedy continuations of fixed instruction prompts, compared token by token.
+
+Per prompt: the exact-prefix agreement length (new tokens until the first one that differs, capped at
+`max_new`; two identical continuations count as `max_new`, also when both stopped at EOS early). Overall:
+the mean agreement, the fraction of prompts agreeing for >= `agree_at` tokens, and a reference-free
+fluency figure: the dense model's mean per-token NLL of WIDE's continuations (and of its own, for scale).
+"""
+from __future__ import annotations
+
+import torch
+
+from .perplexity import token_nll
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as one user turn through the chat template (plain text without one)."""
+    out = []
+    for p in prompts:
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = p
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
+    for j, t in enumerate(row):
+        if t in eos:
+            return row[:j + 1]
+    return row
+
+
+@torch.no_grad()
+def greedy_continuations(model, prompt_ids: list[list[int]], max_new: int = 64, batch_size: int = 32,
+                         pad_id: int = 0, eos_ids=()) -> list[list[int]]:
+    """Greedy new tokens per prompt (up to and including the first EOS), batched with left padding."""
+    dev = next(model.parameters()).device
+    eos = set(int(e) for e in eos_ids)
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    out: list = [None] * len(prompt_ids)
+    for k in range(0, len(order), batch_size):
+        grp = order[k:k + batch_size]
+        S = max(len(prompt_ids[i]) for i in grp)
+        x = torch.full((len(grp), S), pad_id, dtype=torch.long)
+        am = torch.zeros(len(grp), S, dtype=torch.long)
+        for r, i in enumerate(grp):  # x: [B, S] left-padded
+            x[r, S - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
+            am[r, S - len(prompt_ids[i]):] = 1
+        gen = model.generate(input_ids=x.to(dev), attention_mask=am.to(dev), max_new_tokens=max_new,
+                             min_new_tokens=0, do_sample=False, pad_token_id=pad_id,
+                             eos_token_id=sorted(eos) or None)
+        for r, i in enumerate(grp):
+            out[i] = _cut_at_eos(gen[r, S:].tolist(), eos)
+    return out
+
+
+def agreement_length(a: list[int], b: list[int], cap: int = 64) -> int:
+    """Tokens until a and b first differ, capped at `cap`; identical sequences give `cap`."""
+    a, b = list(a[:cap]), list(b[:cap])
+    if a == b:
+        return cap
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def continuation_nll(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
+                     batch_size: int = 32) -> list[tuple[float, int]]:
+    """(summed NLL, tokens) of each continuation given its prompt under `model`, float64 sums.
+
+    Batched right-padded with no attention mask: the model is causal, so later pad positions cannot
+    change the scores of the real ones."""
+    dev = next(model.parameters()).device
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, cont_ids)]
+    out: list = [None] * len(seqs)
+    for k in range(0, len(seqs), batch_size):
+        idx = list(range(k, min(k + batch_size, len(seqs))))
+        S = max(len(seqs[i]) for i in idx)
+        x = torch.zeros(len(idx), S, dtype=torch.long)
+        for r, i in enumerate(idx):
+            x[r, :len(seqs[i])] = torch.tensor(seqs[i])
+        nll = token_nll(model(input_ids=x.to(dev)).logits, x.to(dev)).double().cpu()  # [B, S-1]
+        for r, i in enumerate(idx):
+            p, n = len(prompt_ids[i]), len(cont_ids[i])
+            out[i] = (float(nll[r, p - 1:p - 1 + n].sum()), n)
+    return out
+
+
+def _mean(pairs: list[tuple[float, int]]) -> float | None:
+    n = sum(c for _, c in pairs)
+    return sum(s for s, _ in pairs) / n if n else None
+
+
+def agreement_summary(prompt_ids, dense_cont, wide_cont, dense_model, max_new: int = 64, agree_at: int = 16,
+                      batch_size: int = 32) -> dict:
+    """Per-prompt agreement and the overall figures, given both models' continuations."""
+    agree = [agreement_length(d, w, max_new) for d, w in zip(dense_cont, wide_cont)]
+    fl_wide = continuation_nll(dense_model, prompt_ids, wide_cont, batch_size)
+    fl_dense = continuation_nll(dense_model, prompt_ids, dense_cont, batch_size)
+    n = len(agree)
+    return {"prompts": n, "max_new_tokens": max_new, "agree_at": agree_at,
+            "mean_agreement": sum(agree) / n if n else None,
+            "frac_agree_at": sum(a >= agree_at for a in agree) / n if n else None,
+            "dense_nll_of_wide": _mean(fl_wide), "dense_nll_of_dense": _mean(fl_dense),
+            "per_prompt": [{"agreement": a, "dense_tokens": len(d), "wide_tokens": len(w),
+                            "dense_nll_of_wide": s / c if c else None}
+                           for a, d, w, (s, c) in zip(agree, dense_cont, wide_cont, fl_wide)]}

@@ -1,0 +1,121 @@
+"""The metric runners of `wide eval quality`: each takes (Models, args, data root) -> (result, settings)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..routing.attach import routed
+
+
+def run_ppl(models, a, root):
+    from .perplexity import wikitext2_ppl
+    from .quality import dense_cache_path
+
+    settings = {"file": "wikitext-2/wiki.test.raw", "ctx": a.ctx, "stride": a.stride, "max_tokens": a.max_tokens}
+    kw = dict(ctx=a.ctx, stride=a.stride, batch_size=a.batch_size, max_tokens=a.max_tokens)
+    cache = dense_cache_path(a, models, settings)
+    if cache is not None and cache.is_file():
+        dense = {**json.loads(cache.read_text()), "from_cache": str(cache)}
+    else:
+        with routed(models.dense, None):
+            dense = wikitext2_ppl(models.dense, models.tokenizer, root, **kw)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(dense))
+    with routed(models.wide, models.routers):
+        wide = wikitext2_ppl(models.wide, models.tokenizer, root, **kw)
+    if wide["tokens"] != dense["tokens"]:
+        raise ValueError(f"dense ({dense['tokens']}) and WIDE ({wide['tokens']}) scored different token counts")
+    return {"ppl_ratio": wide["ppl"] / dense["ppl"], "dense": dense, "wide": wide}, settings
+
+
+def run_positions(models, a, root):
+    from .positions import BUCKETS, bucketize, compare_buckets, position_nll, wikitext2_passages
+
+    settings = {"file": "wikitext-2/wiki.test.raw", "min_tokens": a.min_passage, "max_len": a.max_passage,
+                "buckets": list(BUCKETS), "limit": a.limit}
+    passages = wikitext2_passages(models.tokenizer, root, a.min_passage, a.max_passage)[:a.limit]
+    if not passages:
+        raise ValueError(f"no WikiText-2 test article has >= {a.min_passage} tokens (lower --min-passage)")
+    edges = [e for e in BUCKETS if e < a.max_passage] + [a.max_passage]
+    with routed(models.dense, None):
+        d = bucketize(position_nll(models.dense, passages, a.batch_size), edges)
+    with routed(models.wide, models.routers):
+        w = bucketize(position_nll(models.wide, passages, a.batch_size), edges)
+    settings["buckets"] = edges
+    n = sum(r["tokens"] for r in d)
+    total = {"tokens": n, "dense_nll": sum(r["nll_sum"] for r in d) / n, "wide_nll": sum(r["nll_sum"] for r in w) / n}
+    return {"passages": len(passages), "buckets": compare_buckets(d, w), "total": total}, settings
+
+
+def run_generation(models, a, root):
+    from . import prompts as prompt_sets
+    from .generation import agreement_summary, encode_prompts, greedy_continuations
+
+    rows = prompt_sets.load(a.prompts)[:a.limit]
+    tok = models.tokenizer
+    ids = encode_prompts(tok, [r["prompt"] for r in rows])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = [tok.eos_token_id] + [t for t in [tok.convert_tokens_to_ids("<|im_end|>")] if isinstance(t, int)
+                                 and t != tok.unk_token_id]
+    kw = dict(max_new=a.max_new_tokens, batch_size=a.batch_size, pad_id=pad, eos_ids=eos)
+    with routed(models.dense, None):
+        dense_cont = greedy_continuations(models.dense, ids, **kw)
+    with routed(models.wide, models.routers):
+        wide_cont = greedy_continuations(models.wide, ids, **kw)
+    with routed(models.dense, None):
+        res = agreement_summary(ids, dense_cont, wide_cont, models.dense, a.max_new_tokens, a.agree_at,
+                                a.batch_size)
+    for r, p, dc, wc in zip(res["per_prompt"], rows, dense_cont, wide_cont):
+        r.update({"id": p["id"], "source": p["source"], "prompt": p["prompt"],
+                  "dense_text": tok.decode(dc, skip_special_tokens=True),
+                  "wide_text": tok.decode(wc, skip_special_tokens=True)})
+    settings = {"prompts": a.prompts, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
+                "agree_at": a.agree_at, "decoding": "greedy, chat template, left-padded batches, EOS stops a row",
+                "eos_ids": sorted(set(eos))}
+    return res, settings
+
+
+def run_zeroshot(models, a, root):
+    from .pipeline import capacity_meter
+    from .tasks import evaluate_tasks, prepare_tasks, write_yamls
+    from .zeroshot import compare_tasks
+
+    tdir = Path(a.tasks_dir) if a.tasks_dir else Path(a.out) / "tasks"
+    if (tdir / "counts.json").is_file() and json.loads((tdir / "counts.json").read_text())["limit"] == a.limit:
+        write_yamls(tdir)
+    else:
+        prepare_tasks(root, tdir, a.limit)
+    with routed(models.dense, None):
+        dense = evaluate_tasks(models.dense, models.tokenizer, tdir, batch_size=a.batch_size)
+    with routed(models.wide, models.routers):
+        with capacity_meter(models.wide) as cap:
+            wide = evaluate_tasks(models.wide, models.tokenizer, tdir, batch_size=a.batch_size)
+    res = {"acc": compare_tasks(dense, wide, metric="acc"), "acc_norm": compare_tasks(dense, wide, metric="acc_norm"),
+           "capacity": cap}
+    return res, {"tasks_dir": str(tdir), "limit": a.limit, "lm_eval": "zero-shot, local task configs"}
+
+
+RUNNERS = {"ppl": run_ppl, "positions": run_positions, "generation": run_generation, "zeroshot": run_zeroshot}
+
+
+def _f(x, fmt=".3f"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def summary_line(metric: str, r: dict) -> str:
+    if metric == "ppl":
+        return (f"ppl: WIDE/dense {_f(r['ppl_ratio'])} (dense {_f(r['dense']['ppl'], '.2f')}, WIDE "
+                f"{_f(r['wide']['ppl'], '.2f')}, {r['wide']['tokens']} tokens)")
+    if metric == "positions":
+        parts = [f"[{b['lo']},{b['hi']}) {_f(b['diff'], '+.3f')}" for b in r["buckets"]]
+        return f"positions: WIDE - dense NLL by position ({r['passages']} passages): " + ", ".join(parts)
+    if metric == "generation":
+        return (f"generation: {r['prompts']} prompts, mean agreement {_f(r['mean_agreement'], '.1f')} tokens, "
+                f"{_f(r['frac_agree_at'], '.0%')} agree >= {r['agree_at']}; dense NLL of WIDE's text "
+                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})")
+    acc = r["acc"]
+    parts = [f"{t} {_f(v['retention_above_chance'], '.2f')}" + ("" if v["informative"] else " (uninformative)")
+             for t, v in acc["tasks"].items()]
+    return f"zeroshot: retention above chance (acc): " + ", ".join(parts)
