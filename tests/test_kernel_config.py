@@ -65,17 +65,6 @@ def test_phase_overrides_apply_to_their_phase():
     assert cm.kernel_config(1, 576, 1536, 64, 576, tuning={"decode": {"lists": "none"}})["lists"] == "none"
 
 
-def test_set_default_overrides_is_deprecated_but_still_applies():
-    with pytest.warns(DeprecationWarning, match="kernel_config"):
-        old = cm.set_default_overrides(decode={"lists": "none"})
-    try:
-        assert cm.kernel_config(1, 576, 1536, 64, 576)["lists"] == "none"
-    finally:
-        with pytest.warns(DeprecationWarning):
-            cm.set_default_overrides(**old)
-    assert "lists" not in cm.kernel_config(1, 576, 1536, 64, 576)
-
-
 @pytest.mark.parametrize("T", TS)
 def test_small_batches_default_to_the_dense_path(T):
     # 4..16 tokens: dense GEMMs + mask (their groups cover nearly every weight row); 1..3: the gather GEMV

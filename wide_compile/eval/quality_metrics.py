@@ -118,4 +118,4 @@ def summary_line(metric: str, r: dict) -> str:
     acc = r["acc"]
     parts = [f"{t} {_f(v['retention_above_chance'], '.2f')}" + ("" if v["informative"] else " (uninformative)")
              for t, v in acc["tasks"].items()]
-    return f"zeroshot: retention above chance (acc): " + ", ".join(parts)
+    return "zeroshot: retention above chance (acc): " + ", ".join(parts)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -23,13 +22,13 @@ class DataNotFound(FileNotFoundError):
 
 
 def data_root(explicit=None) -> Path:
-    """`explicit`, else $WIDE_DATA_DIR, else <checkout>/../shared/data (it may not exist; see require_data)."""
+    """`explicit`, else the package's one data root (wide_compile.paths: $WIDE_DATA_DIR or ../shared/data);
+    it may not exist (see require_data)."""
     if explicit:
         return Path(explicit)
-    env = os.environ.get(ENV_DATA)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    from ..paths import data_root as package_root
+
+    return package_root()
 
 
 def require_data(root, *relative: str) -> Path:

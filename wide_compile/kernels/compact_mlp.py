@@ -20,7 +20,6 @@ Two generic Triton kernels, shared with the attention projections (compact_attn.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import torch
@@ -189,23 +188,6 @@ def _interpret():
     return interpreting()
 
 
-# Deprecated process-wide per-phase overrides (set_default_overrides); pass a KernelTuning instead.
-_PHASE_OVERRIDES: dict = {"decode": {}, "prefill": {}}
-
-
-def set_default_overrides(decode: Optional[dict] = None, prefill: Optional[dict] = None) -> dict:
-    """Deprecated: replace the process-wide per-phase overrides and return the previous ones. Hand the
-    overrides to the compiled model instead: wide_compile.optimize(model, routers, kernel_config={"decode":
-    {...}, "prefill": {...}}) (or a KernelTuning), which keeps them in the graph it compiles."""
-    warnings.warn("wide_compile.kernels.compact_mlp.set_default_overrides is deprecated: pass "
-                  "kernel_config={'decode': {...}, 'prefill': {...}} to wide_compile.optimize (or a "
-                  "wide_compile.kernels.tuning.KernelTuning to the kernels)", DeprecationWarning, stacklevel=2)
-    old = {k: dict(v) for k, v in _PHASE_OVERRIDES.items()}
-    _PHASE_OVERRIDES["decode"] = dict(decode or {})
-    _PHASE_OVERRIDES["prefill"] = dict(prefill or {})
-    return old
-
-
 def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides: Optional[dict] = None,
                   elem_size: int = 2, device=None, tuning=None) -> dict:
     """The tuning table's row for T (tuning.resolve: the device's table by default) fitted to the device's
@@ -216,7 +198,6 @@ def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides
     if not _interpret():
         cfg = fit_shared_memory(cfg, elem_size, shared_memory_bytes(device))
     phase = "decode" if T <= DECODE_T else "prefill"
-    cfg.update(_PHASE_OVERRIDES[phase])
     cfg.update(table.overrides.get(phase, {}))
     cfg.update(overrides or {})
     return cfg
