@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..config import WideConfig
 from ..routing import FlopCost, Routers, attach, detach, record_masks, routed
-from ..routing.routers import GroupRouter
+from ..routing.calibrate import calibrate_offset_, deterministic_capacity  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -158,60 +158,7 @@ def _load_opt(opt: torch.optim.Optimizer, path: Path) -> int:
     return int(meta["step"])
 
 
-# -- capacity calibration ---------------------------------------------------------------------------
-def _learned(routers: Routers) -> list[GroupRouter]:
-    return [r for r in list(routers.attn) + list(routers.ffn) if isinstance(r, GroupRouter)]
-
-
-@torch.no_grad()
-def deterministic_capacity(model, routers: Routers, blocks: torch.Tensor, batch_size: int = 8,
-                           amp: bool = False) -> dict:
-    """Hard-threshold capacity of `routers` on `blocks` [N, S] (all real tokens)."""
-    from ..routing.measure import capacity_from_record
-
-    dev = next(model.parameters()).device
-    recs = {"attn": [[] for _ in range(routers.spec.num_layers)], "ffn": [[] for _ in range(routers.spec.num_layers)]}
-    with routed(model, routers):  # these routers, whatever was attached before
-        for i in range(0, len(blocks), batch_size):
-            with record_masks(model) as rec, _autocast(dev, amp):
-                model(input_ids=blocks[i:i + batch_size].to(dev))
-            for k in ("attn", "ffn"):
-                for L in range(routers.spec.num_layers):
-                    recs[k][L] += [m.float().mean(-1).reshape(-1, 1) for m in rec[k][L]]
-    return capacity_from_record(routers, recs)
-
-
-@torch.no_grad()
-def calibrate_offset_(model, routers: Routers, blocks: torch.Tensor, target: float, tol: float = 0.003,
-                      iters: int = 18, amp: bool = False, log=print) -> float:
-    """Add one global offset to every learned router's bias so the deterministic capacity on `blocks`
-    equals `target` (bisection). Returns the offset applied."""
-    rs = _learned(routers)
-    base = [r.proj.bias.detach().clone() for r in rs]
-
-    def set_off(o):
-        for r, b in zip(rs, base):
-            r.proj.bias.copy_(b + o)
-
-    lo, hi = -12.0, 12.0
-    cap0 = cap = deterministic_capacity(model, routers, blocks, amp=amp)["overall"]
-    off = 0.0
-    if abs(cap0 - target) <= tol:
-        return 0.0
-    for _ in range(iters):  # capacity is monotone non-decreasing in the offset
-        off = 0.5 * (lo + hi)
-        set_off(off)
-        cap = deterministic_capacity(model, routers, blocks, amp=amp)["overall"]
-        if abs(cap - target) <= tol:
-            break
-        if cap > target:
-            hi = off
-        else:
-            lo = off
-    log(f"calibrated global router offset {off:+.3f}: capacity {cap0:.4f} -> {cap:.4f} (target {target})")
-    return off
-
-
+# -- capacity calibration (routing/calibrate.py; re-exported here) ----------------------------------
 # -- the trainer ------------------------------------------------------------------------------------
 def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, log=print,
                  routers: Routers | None = None, progress: bool = True) -> Routers:
