@@ -15,6 +15,18 @@ from wide_compile.routing import router_fns as fns
 WIDE = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_recipe="wide", router_rank=8, router_init="random")
 
 
+def wide_routers(model, seed):
+    """Random wide-recipe routers with random biases: with zero biases a margin only scales with the input's
+    norm, so routing the normed input or the residual stream would decide alike and a test could not tell."""
+    r = wc.Routers.init(model, WIDE, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in r.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return r
+
+
 def test_config_fields_and_errors():
     assert WIDE.router_input == "residual" and wc.WideConfig().router_input == "normed"
     assert wc.WideConfig(router_recipe="wide", router_input="normed").router_input == "normed"
@@ -78,7 +90,7 @@ def _by_hand(model, routers, ids):
 
 def test_attach_executes_the_recipe_exactly():
     model = tiny_model("smollm2", seed=2).double()
-    routers = wc.Routers.init(model, WIDE, seed=3).double()
+    routers = wide_routers(model, 3).double()
     ids = torch.randint(0, 128, (2, 11))
     want = _by_hand(model, routers, ids)
     wc.attach(model, routers)
@@ -123,7 +135,7 @@ def test_calibrate_and_checkpoint_round_trip(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])
 def test_compiled_form_a_equals_eager(arch):
     model, ref = tiny_model(arch, seed=5), tiny_model(arch, seed=5)
-    routers = wc.Routers.init(model, WIDE, seed=6)
+    routers = wide_routers(model, 6)
     routers.calibrate_(ref, torch.randint(0, 128, (4, 16)), capacity=0.5)
     wc.attach(ref, routers)
     cm = wc.optimize(model, routers, inductor=False)
@@ -138,7 +150,7 @@ def test_compiled_form_b_inserts_pair_routers_on_the_norm_input():
     from test_passes_models import gptfast_pair
 
     model, ref = gptfast_pair(seed=9)
-    routers = wc.Routers.init(model.spec, WIDE, seed=10)
+    routers = wide_routers(model.spec, 10)
     # the gpt-fast reference hands routers the normed input; record each norm's input and route on that
 
     def route_on_norm_input(block, i):
