@@ -101,14 +101,14 @@ def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int) -> 
 @torch.no_grad()
 def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: float = 0.003, iters: int = 18,
                       amp: bool = False, log=print, target_attn: float | None = None,
-                      target_ffn: float | None = None) -> float | dict:
+                      target_ffn: float | None = None, batch_size: int = 8) -> float | dict:
     """Shift the learned routers' margins so the deterministic capacity on `blocks` equals the targets.
 
     Without per-kind targets: one global offset for every router, overall capacity == `target` (returns the
     offset). With target_attn / target_ffn: the attention routers' offset brings the attention capacity to
     target_attn, then the FFN routers' offset the FFN capacity to target_ffn (returns {"attn", "ffn"})."""
     def measure(key):
-        return lambda: deterministic_capacity(model, routers, blocks, amp=amp)[key]
+        return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
 
     if target_attn is None and target_ffn is None:
         off, c0, c1 = _bisect_offset(learned_routers(routers), measure("overall"), target, tol, iters)

@@ -63,15 +63,19 @@ class HeldoutEval:
         return self._dense
 
     def __call__(self) -> dict:
-        was_training = self.model.training
+        # the routers may be a submodule of the model (attach) in another mode than it (stage 1 trains them
+        # inside a frozen eval-mode model): restore both modes, or the training noise would stop here
+        was_training, routers_training = self.model.training, self.routers.training
         self.model.eval()
         r = copy.deepcopy(self.routers).eval()
         if self.calibrated:
             calibrate_offset_(self.model, r, self.calib, self.targets["overall"], log=lambda *_: None,
-                              target_attn=self.targets.get("attn"), target_ffn=self.targets.get("ffn"))
+                              target_attn=self.targets.get("attn"), target_ffn=self.targets.get("ffn"),
+                              batch_size=len(self.calib))  # one forward per bisection step
         cap = deterministic_capacity(self.model, r, self.evalb, batch_size=self.batch_size)
         with routed(self.model, r):
             ppl = perplexity(self.model, self.evalb, self.batch_size)
         self.model.train(was_training)
+        self.routers.train(routers_training)
         return {"ppl": ppl, "cap": cap["overall"], "attn": cap["attn"], "ffn": cap["ffn"],
                 "dense_ppl": self.dense_ppl()}
