@@ -269,7 +269,9 @@ def _evaluate(phase: Phase, st: LoopState, ck: Checkpoint, clock: Clock, log) ->
     st.curve["eval"].append(rec)
     log(f"{phase.name}: step {st.step}/{phase.total_steps} held-out ppl {ev['ppl']:.3f}"
         + "".join(f" {k} {ev[k]:.3f}" for k in ("cap", "attn", "ffn", "dense_ppl") if k in ev)
-        + (" (best)" if rec["best"] else ""))
+        + (" (best)" if rec["best"] else "")
+        + (f" [{clock.step_s:.3f} s/step, {phase.tokens_per_step / clock.step_s:.0f} tokens/s; eval {clock.eval_s:.1f} s]"
+           if clock.step_s else ""))
     return bool(phase.patience) and st.bad_evals >= phase.patience
 
 

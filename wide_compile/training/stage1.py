@@ -5,9 +5,10 @@ loss = kd_weight * KL(dense teacher || routed student)            (token-mean, f
      + cap_weight * capacity_loss                                  (FLOP-weighted, DESIGN.md)
 
 capacity_loss is (attn - target_attn)^2 + (ffn - target_ffn)^2 (separate attention / FFN targets, each
-defaulting to `capacity`) or (overall - target)^2 with `separate_targets=False`. Decisions are relaxed
-(`Routers.relax(tau)`: each router's hard straight-through relaxation; the forward is hard 0/1, so the
-student sees what inference will do up to noise). tau is annealed tau_start -> tau_end ("linear" or
+defaulting to `capacity`) with `separate_targets` (the "wide" recipe's default) or a per-kind target given,
+else (overall - target)^2. Decisions are relaxed (`Routers.relax(tau)`: each router's hard
+straight-through relaxation; the forward is hard 0/1, so the student sees what inference will do up to
+noise). tau is annealed tau_start -> tau_end ("linear" or
 "geometric"); the Gumbel noise is switched off for the last `noise_off_frac` of the steps so the
 deterministic (inference) decisions are trained last. Capacity targets ramp linearly from 1.0 over the
 first `ramp_frac` of the steps (routers start dense: `router_init="dense"`).
@@ -43,7 +44,7 @@ RECIPE_DEFAULTS = {
     "linear": {},
     # a margin of 2 executes ~88% of groups under the training noise; a larger bias lr lets the ramp move it
     "wide": {"router_recipe": "wide", "router_rank": 32, "tau_start": 5.0, "tau_end": 0.5, "tau_anneal": "linear",
-             "lr": 2e-3, "bias_lr_mult": 25.0, "router_init_bias": 2.0},
+             "lr": 2e-3, "bias_lr_mult": 25.0, "router_init_bias": 2.0, "separate_targets": True},
 }
 
 
@@ -52,7 +53,7 @@ class Stage1Config:
     capacity: float = 0.5
     capacity_attn: float | None = None   # None: `capacity`
     capacity_ffn: float | None = None    # None: `capacity`
-    separate_targets: bool = True        # regularise attention and FFN capacity separately
+    separate_targets: bool = False       # regularise attention and FFN capacity separately
     steps: int = 400                     # used when epochs == 0
     epochs: float = 0.0                  # > 0: steps = ceil(epochs * train blocks / batch_size)
     batch_size: int = 8
@@ -98,7 +99,7 @@ class Stage1Config:
     def targets(self) -> dict:
         """Final capacity targets: overall, and attn / ffn when regularised separately."""
         t = {"overall": self.capacity}
-        if self.separate_targets:
+        if self.separate_targets or self.capacity_attn is not None or self.capacity_ffn is not None:
             t["attn"] = self.capacity if self.capacity_attn is None else self.capacity_attn
             t["ffn"] = self.capacity if self.capacity_ffn is None else self.capacity_ffn
         return t

@@ -35,7 +35,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 RECIPE_DEFAULTS = {
     "linear": {},
-    "wide": {"joint": True, "tau_start": 5.0, "tau_end": 0.5, "tau_anneal": "linear", "router_lr": 5e-4},
+    "wide": {"joint": True, "tau_start": 5.0, "tau_end": 0.5, "tau_anneal": "linear", "router_lr": 5e-4,
+             "separate_targets": True},
 }
 
 
@@ -59,7 +60,7 @@ class Stage2Config:
     capacity: float | None = None        # None: the routers' own cfg.capacity
     capacity_attn: float | None = None   # None: capacity
     capacity_ffn: float | None = None
-    separate_targets: bool = True
+    separate_targets: bool = False
     tau_start: float = 0.2
     tau_end: float = 0.2
     tau_anneal: str = "geometric"
@@ -84,7 +85,7 @@ class Stage2Config:
     def targets(self, routers: Routers) -> dict:
         c = routers.cfg.capacity if self.capacity is None else self.capacity
         t = {"overall": c}
-        if self.separate_targets:
+        if self.separate_targets or self.capacity_attn is not None or self.capacity_ffn is not None:
             t["attn"] = c if self.capacity_attn is None else self.capacity_attn
             t["ffn"] = c if self.capacity_ffn is None else self.capacity_ffn
         return t
