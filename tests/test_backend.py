@@ -276,7 +276,7 @@ def test_split_bf16_routers_in_graph_form_a_and_b(monkeypatch):
     decisions on a real (tiny) model. Compiled: form A (attached routers) matches the eager reference to
     bf16 rounding of the layer ops; form B (gpt-fast, routers inserted into the dense graph) runs the split
     router function for every layer's two routers."""
-    from wide_compile.passes import insert_routers
+    from wide_compile.routing import router_fns
 
     model, ref, routers = pair("llama", routers_seed=7, dtype=torch.bfloat16)
     ids = torch.randint(0, 128, (2, 9))
@@ -293,8 +293,8 @@ def test_split_bf16_routers_in_graph_form_a_and_b(monkeypatch):
         torch.testing.assert_close(cm(input_ids=ids).logits, exp, atol=3e-2, rtol=3e-2)
 
     calls = []
-    orig = insert_routers.split_router_mask
-    monkeypatch.setattr(insert_routers, "split_router_mask", lambda *a: calls.append(1) or orig(*a))
+    orig = router_fns.split_router_mask
+    monkeypatch.setattr(router_fns, "split_router_mask", lambda *a: calls.append(1) or orig(*a))
     g, gref = gptfast_pair(seed=3)
     g, gref = g.to(torch.bfloat16), gref.to(torch.bfloat16)
     rb = wc.Routers.init(g.spec, CFG, seed=8).split_bf16_()
@@ -315,7 +315,7 @@ def test_split_bf16_routers_run_fp32_on_one_token(monkeypatch):
     """GroupRouter.split_for: a single token (batch-1 decode) runs the fp32 router, where the bf16 pair gains
     nothing (routers.SPLIT_MIN_ROWS), in eager and in the compiled graph alike; two or more tokens, or a
     symbolic token count, run the pair."""
-    from wide_compile.passes import insert_routers
+    from wide_compile.routing import router_fns
     from wide_compile.routing.routers import SPLIT_MIN_ROWS, GroupRouter
 
     assert SPLIT_MIN_ROWS == 2
@@ -330,10 +330,10 @@ def test_split_bf16_routers_run_fp32_on_one_token(monkeypatch):
     assert r0.split_for(torch.float32, 8) is None  # fp32 inputs: the fp32 router
 
     seen = {"split": 0, "fp32": 0}
-    split_orig, lin_orig = insert_routers.split_router_mask, insert_routers.linear_router_mask
-    monkeypatch.setattr(insert_routers, "split_router_mask",
+    split_orig, lin_orig = router_fns.split_router_mask, router_fns.linear_router_mask
+    monkeypatch.setattr(router_fns, "split_router_mask",
                         lambda *a: seen.__setitem__("split", seen["split"] + 1) or split_orig(*a))
-    monkeypatch.setattr(insert_routers, "linear_router_mask",
+    monkeypatch.setattr(router_fns, "linear_router_mask",
                         lambda *a: seen.__setitem__("fp32", seen["fp32"] + 1) or lin_orig(*a))
     gref.ref_routers = rb
     L = g.spec.num_layers

@@ -11,6 +11,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .models.spec import ModelSpec
 
 ROUTER_INITS = ("dense", "random")
+ROUTER_RECIPES = ("linear", "wide")  # linear: D -> G on the normed input; wide: D -> rank -> 2G pairs
+ROUTER_INPUTS = ("normed", "residual")
+_RECIPE_INPUT = {"linear": "normed", "wide": "residual"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -31,6 +34,11 @@ class WideConfig:
     router_init:     "dense": fresh routers keep every group on (bias +router_init_bias, tiny weights),
                      so an untrained model behaves like the dense one (training starts there);
                      "random": random projections (calibrate them to a capacity with `Routers.calibrate_`).
+    router_recipe:   "linear" (the router reads the normed block input, logits > 0 execute) or "wide" (the
+                     method's recipe: D -> router_rank -> one (skip, execute) logit pair per group, reading the
+                     residual stream before the block's norm; execute iff logit_exec > logit_skip).
+    router_rank:     bottleneck width of the "wide" recipe.
+    router_input:    "normed" / "residual"; "" = the recipe's own (linear: normed, wide: residual).
     """
 
     ffn_group_size: int = 64
@@ -39,8 +47,20 @@ class WideConfig:
     router_hidden: int = 0
     router_init: str = "dense"
     router_init_bias: float = 3.0
+    router_recipe: str = "linear"
+    router_rank: int = 32
+    router_input: str = ""
 
     def __post_init__(self) -> None:
+        if self.router_recipe not in ROUTER_RECIPES:
+            raise ValueError(f"WideConfig.router_recipe must be one of {ROUTER_RECIPES}, got {self.router_recipe!r}")
+        if not isinstance(self.router_rank, int) or isinstance(self.router_rank, bool) or self.router_rank < 1:
+            raise ValueError(f"WideConfig.router_rank must be a positive integer, got {self.router_rank!r}")
+        if self.router_input == "":
+            object.__setattr__(self, "router_input", _RECIPE_INPUT[self.router_recipe])
+        if self.router_input not in ROUTER_INPUTS:
+            raise ValueError(f"WideConfig.router_input must be one of {ROUTER_INPUTS} (or \"\" for the recipe's "
+                             f"own), got {self.router_input!r}")
         for name in ("ffn_group_size", "head_group_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -3,69 +3,93 @@
 Graphs traced from a model with routers attached (form A) already hold the router computation and the
 mask multiplies: nothing to insert. A dense graph (e.g. a gpt-fast-style model compiled with
 `wide_backend(..., routers=routers)`) gets, per detected layer in graph order, the attention router on
-q's input and the FFN router on gate's input; router weights become graph constants (get_attr).
+q's input and the FFN router on gate's input (router_input "normed"), or on the input of the RMSNorm that
+feeds them (router_input "residual": the residual stream before the block's norm); what is inserted is
+the router's own graph form (`router.graph_form()`: the mask function of routing/router_fns and its
+tensors, which become graph constants via get_attr).
 The number of detected layers must equal routers.spec.num_layers, otherwise routing would be ambiguous:
 ValueError.
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
+import torch
+from torch import fx
 
-from ._graph import last_dim, meta, static_rows
+from ._graph import is_call, is_mul, last_dim, meta, static_rows
 from .manager import Pass, PassContext, log
 
-
-def linear_router_mask(h, w, b):
-    return F.linear(h.to(w.dtype), w, b) > 0
-
-
-def split_router_mask(h, w2, b):
-    from ..routing.routers import split_logits
-
-    return split_logits(h, w2, b) > 0
-
-
-def mlp_router_mask(h, w1, b1, w2, b2):
-    return F.linear(F.silu(F.linear(h.to(w1.dtype), w1, b1)), w2, b2) > 0
-
-
-def constant_router_mask(h, mask):
-    return mask.expand(*h.shape[:-1], mask.shape[-1])
-
-
-def replay_router_mask(h, mask):
-    return mask.view(*h.shape[:-1], mask.shape[-1])
+_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as"}
+_CAST_FNS = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float}
+_RSQRT = {torch.rsqrt}
+_RMS_NORM = {getattr(torch.nn.functional, "rms_norm", None), getattr(torch, "rms_norm", None)} - {None}
 
 
 class NoRoutersError(ValueError):
     pass
 
 
-def _router_node(ctx: PassContext, router, x, tag: str):
-    from ..routing.routers import ConstantRouter, GroupRouter, ReplayRouter
+def _strip_casts(n):
+    while isinstance(n, fx.Node) and is_call(n, _CAST_FNS, _CASTS) and n.args:
+        n = n.args[0]
+    return n
 
+
+def _ancestors(n, depth: int) -> set:
+    seen, frontier = set(), [n]
+    for _ in range(depth):
+        frontier = [a for f in frontier if isinstance(f, fx.Node) for a in f.all_input_nodes if a not in seen]
+        seen.update(frontier)
+    return seen
+
+
+def norm_input(x):
+    """The input of the RMSNorm that produced x (the residual stream before the block's norm), or None.
+
+    Recognises w * (h * rsqrt(mean(h^2) + eps)) with casts anywhere (HF LlamaRMSNorm, gpt-fast RMSNorm, in
+    either operand order, with or without the weight) and F.rms_norm(h, ...)."""
+    n = _strip_casts(x)
+    if is_call(n, _RMS_NORM):
+        return n.args[0]
+    for cand in ([n] + [_strip_casts(a) for a in n.args[:2]] if is_mul(n) else []):
+        if not is_mul(cand):
+            continue
+        for i, j in ((0, 1), (1, 0)):
+            r, h = cand.args[i], cand.args[j]
+            if is_call(r, _RSQRT, ("rsqrt",)):
+                h0 = _strip_casts(h)
+                # the statistic must be of the same tensor: h (or a cast of it) feeds the rsqrt's argument
+                if any(_strip_casts(a) is h0 for a in _ancestors(r, 6)):
+                    return h0
+    return None
+
+
+def _router_input(x, router_input: str, what: str, layer: int):
+    if router_input == "normed":
+        return x
+    h = norm_input(x)
+    if h is None:
+        raise ValueError(f"wide_compile: layer {layer}: the {what} routers read the residual stream before the "
+                         f"block's norm (router_input='residual'), but the input of {what}'s projection "
+                         f"(%{x.name}) is not an RMSNorm the pass recognises; compile the HF model with routers "
+                         "attached (form A), or use routers with router_input='normed'")
+    return h
+
+
+def _router_node(ctx: PassContext, router, x, h, tag: str):
+    """Insert `router`'s graph form (its mask function and tensors, routers.graph_form) reading h."""
     dev = getattr(meta(x), "device", None)
+    if not hasattr(router, "graph_form"):
+        raise ValueError(f"wide_compile: cannot insert a router of type {type(router).__name__} into the graph "
+                         "(it has no graph_form; supported: GroupRouter, PairRouter, ConstantRouter, ReplayRouter)")
+    m = meta(h)
+    fn, tensors = router.graph_form(m.dtype if m is not None else None, static_rows(h) if m is not None else None)
 
     def const(t, name):
         return ctx.weights.constant(("router", id(t)), f"{tag}_{name}",
                                     lambda: t.detach().to(dev) if dev is not None and dev.type != "meta"
                                     else t.detach(), before=x)
 
-    if isinstance(router, ConstantRouter):
-        return ctx.weights.call(constant_router_mask, (x, const(router.mask, "mask")))
-    if isinstance(router, ReplayRouter):  # recorded masks: a check tool (see ReplayRouter)
-        return ctx.weights.call(replay_router_mask, (x, const(router.mask, "mask")))
-    if isinstance(router, GroupRouter):
-        if router.hidden:
-            args = (x, const(router.proj_in.weight, "w1"), const(router.proj_in.bias, "b1"),
-                    const(router.proj.weight, "w2"), const(router.proj.bias, "b2"))
-            return ctx.weights.call(mlp_router_mask, args)
-        w2 = router.split_for(meta(x).dtype, static_rows(x)) if meta(x) is not None else None
-        if w2 is not None:
-            return ctx.weights.call(split_router_mask, (x, const(w2, "w2"), const(router.proj.bias, "b")))
-        return ctx.weights.call(linear_router_mask, (x, const(router.proj.weight, "w"), const(router.proj.bias, "b")))
-    raise ValueError(f"wide_compile: cannot insert a router of type {type(router).__name__} into the graph "
-                     "(supported: GroupRouter, ConstantRouter, ReplayRouter)")
+    return ctx.weights.call(fn, (h, *(const(t, name) for name, t in tensors)))
 
 
 class InsertRouters(Pass):
@@ -108,12 +132,14 @@ class InsertRouters(Pass):
             if f is not None and f != spec.intermediate_size:
                 raise ValueError(f"wide_compile: MLP {m.layer} has width {f}, routers expect {spec.intermediate_size}")
         for i, (a, m) in enumerate(zip(ctx.attns, ctx.mlps)):
+            ha = _router_input(a.x, cfg.router_input, "attention", i)
+            hf = _router_input(m.x, cfg.router_input, "MLP", i)
             with ctx.gm.graph.inserting_before(a.q):
-                a.mask = _router_node(ctx, routers.attn[i], a.x, f"router_attn{i}")
+                a.mask = _router_node(ctx, routers.attn[i], a.x, ha, f"router_attn{i}")
             a.groups, a.group_size = cfg.num_head_groups(spec), cfg.head_group_size * spec.head_dim
             with ctx.gm.graph.inserting_before(m.gate):
-                m.mask = _router_node(ctx, routers.ffn[i], m.x, f"router_ffn{i}")
+                m.mask = _router_node(ctx, routers.ffn[i], m.x, hf, f"router_ffn{i}")
             m.groups, m.group_size = cfg.num_ffn_groups(spec), cfg.ffn_group_size
             a.status = m.status = "routed"
-            log.info("wide: layer %d: routers inserted (attention on %%%s, mlp on %%%s)", i, a.x.name, m.x.name)
+            log.info("wide: layer %d: routers inserted (attention on %%%s, mlp on %%%s)", i, ha.name, hf.name)
         ctx.count("insert_routers.inserted", 2 * L)

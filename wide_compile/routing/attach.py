@@ -1,11 +1,13 @@
 """attach / detach: make an HF Llama-family model's own eager forward execute WIDE exactly.
 
 The eager reference (the oracle for kernels and compiled graphs), per decoder layer:
-  * the attention router reads q_proj's input (the normalized attention input h) -> mask_a[..., G_a];
+  * the attention router reads q_proj's input (the normalized attention input h; router_input "normed") or
+    input_layernorm's input (the residual stream; "residual") -> mask_a[..., G_a];
     o_proj's input columns of inactive head groups are zeroed, so those heads contribute exactly 0.
     q/k/v are computed densely: K and V must be (KV cache stays complete); the inactive q rows only
     feed outputs that are zeroed before o_proj, so computing them changes nothing.
-  * the FFN router reads gate_proj's input -> mask_f[..., G_f]; down_proj's input channels of inactive
+  * the FFN router reads gate_proj's input (or post_attention_layernorm's input) -> mask_f[..., G_f];
+    down_proj's input channels of inactive
     groups are zeroed, so those channels contribute exactly 0.
 Implemented with forward pre-hooks, so it works whatever the attention implementation, cache class or
 transformers version. `detach` removes every hook and the routers: the dense model is back bit for bit.
@@ -20,7 +22,6 @@ import torch
 from torch import nn
 
 from ..models.spec import decoder_layers, model_spec
-from .routers import Routers
 
 _ATTR = "_wide_state"
 
@@ -34,7 +35,7 @@ class _LayerState:
 
 
 class _Attached:
-    def __init__(self, routers: Routers, handles: list, states: list[_LayerState]):
+    def __init__(self, routers, handles: list, states: list[_LayerState]):
         self.routers, self.handles, self.states = routers, handles, states
         self.recorders: list[dict] = []
 
@@ -46,9 +47,28 @@ def _expand(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (xs * mask.to(x.dtype).unsqueeze(-1)).flatten(-2)
 
 
-def attach(model: nn.Module, routers: Routers) -> nn.Module:
+def _is_routers(obj) -> bool:
+    # duck-typed so that this module does not import routers.py (which imports calibration, which imports
+    # this module)
+    return isinstance(obj, nn.Module) and all(hasattr(obj, a) for a in ("decide", "spec", "cfg", "attn", "ffn"))
+
+
+def _route_points(layer: nn.Module, i: int, router_input: str) -> tuple[nn.Module, nn.Module]:
+    """The modules whose input the attention / FFN routers of decoder layer i read."""
+    a, m = layer.self_attn, layer.mlp
+    if router_input == "normed":
+        return a.q_proj, m.gate_proj
+    na, nf = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    if na is None or nf is None:
+        raise ValueError(f"decoder layer {i} ({type(layer).__name__}) has no input_layernorm / "
+                         "post_attention_layernorm, so the residual stream before the norms cannot be routed; "
+                         "use routers with router_input='normed'")
+    return na, nf
+
+
+def attach(model: nn.Module, routers) -> nn.Module:
     """Route `model` with `routers` (in place; returns the model). Re-attaching replaces the routers."""
-    if not isinstance(routers, Routers):
+    if not _is_routers(routers):
         raise TypeError(f"attach expects wide_compile.Routers, got {type(routers).__name__}")
     spec = model_spec(model)
     if spec != routers.spec:
@@ -67,21 +87,21 @@ def attach(model: nn.Module, routers: Routers) -> nn.Module:
 
         route_a, mask_a = _route_hook(att, "attn", i, st), _mask_hook("attn", st)
         route_f, mask_f = _route_hook(att, "ffn", i, st), _mask_hook("ffn", st)
-        a, m = layer.self_attn, layer.mlp
-        handles += [a.q_proj.register_forward_pre_hook(route_a, with_kwargs=True),
-                    a.o_proj.register_forward_pre_hook(mask_a, with_kwargs=True),
-                    m.gate_proj.register_forward_pre_hook(route_f, with_kwargs=True),
-                    m.down_proj.register_forward_pre_hook(mask_f, with_kwargs=True)]
+        at_a, at_f = _route_points(layer, i, routers.cfg.router_input)
+        handles += [at_a.register_forward_pre_hook(route_a, with_kwargs=True),
+                    layer.self_attn.o_proj.register_forward_pre_hook(mask_a, with_kwargs=True),
+                    at_f.register_forward_pre_hook(route_f, with_kwargs=True),
+                    layer.mlp.down_proj.register_forward_pre_hook(mask_f, with_kwargs=True)]
     object.__setattr__(model, _ATTR, att)
     return model
 
 
 def _route_hook(att: _Attached, kind: str, i: int, st: _LayerState):
-    """Pre-hook for q_proj / gate_proj: decide layer i's `kind` mask from the projection's input h."""
+    """Pre-hook on the router's input module: decide layer i's `kind` mask from that module's input h."""
     router = getattr(att.routers, kind)[i]
 
     def hook(mod, args, kwargs):
-        h = args[0] if args else kwargs["input"]
+        h = args[0] if args else next(iter(kwargs.values()))
         mask = att.routers.decide(router, h)
         setattr(st, kind, mask)
         for rec in att.recorders:
@@ -120,13 +140,13 @@ def is_attached(model: nn.Module) -> bool:
     return getattr(model, _ATTR, None) is not None
 
 
-def attached_routers(model: nn.Module) -> Routers | None:
+def attached_routers(model: nn.Module):
     att = getattr(model, _ATTR, None)
     return None if att is None else att.routers
 
 
 @contextmanager
-def routed(model: nn.Module, routers: Routers | None) -> Iterator[nn.Module]:
+def routed(model: nn.Module, routers) -> Iterator[nn.Module]:
     """Run `model` with `routers` attached (None: dense) inside the block, then put back whatever was
     attached before (other routers, or none)."""
     prev = attached_routers(model)

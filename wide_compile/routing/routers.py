@@ -1,8 +1,15 @@
 """Routers: per decoder layer, one attention-group router and one FFN-group router.
 
-A router reads the normalized block input h[..., D] (the input of q_proj / gate_proj) and emits
-logits[..., G]. Inference: mask = logits > 0 (deterministic). Training: `Routers.relax(tau)` switches
-to a Gumbel-sigmoid relaxation with a straight-through estimator (hard 0/1 forward, sigmoid gradient).
+A router reads a token's hidden state h[..., D] and emits logits[..., G] (execute iff > 0, deterministic).
+Which h: the normalized block input (the input of q_proj / gate_proj; cfg.router_input "normed") or the
+residual stream before the block's norm ("residual"); `attach` hooks the matching module. Two recipes:
+  * "linear" (GroupRouter): logits = W h + b (optionally with a SiLU hidden layer); training relaxes the
+    decisions with a straight-through Gumbel-sigmoid;
+  * "wide" (PairRouter, the method's recipe): h -> rank r -> one (skip, execute) logit pair per group;
+    its logits are the margin exec - skip; training uses a hard Gumbel-softmax over each pair with a
+    straight-through estimator.
+Each router class owns its maths as functions of (h, *tensors) in router_fns; `graph_form` hands the pass
+the mask function and tensors, and `forward` calls the logits twin of that same function.
 """
 from __future__ import annotations
 
@@ -17,19 +24,17 @@ from torch import nn
 
 from ..config import WideConfig
 from ..models.spec import ModelSpec, model_spec
+from . import router_fns as fns
+from .router_fns import split_logits  # noqa: F401  (re-exported: the historical import path)
 
 FORMAT_VERSION = 1
 _BIG = 30.0  # logit magnitude of a constant router: sigmoid(30) == 1 in fp32
 
 
-# Fewest tokens for which a split-bf16 router (Routers.split_bf16_) runs its bf16 pair. A single token
-# reads the same bytes either way (fp32 [G, D] or bf16 [2G, D]) and gains nothing from tensor cores, and on
-# the H200 the fp32 GEMV was faster: Llama-3.1-8B-shape decode at batch 1 (32 layers, capacity 0.5) took
-# 4.96 ms with fp32 routers and 5.26 ms with the pair (dense Inductor 5.93 / 5.88 ms in the same runs).
-# From 8 tokens on the pair wins (batch-8 decode 1.37 -> 1.31 ms in one call; 2048-token prefill 52.3 -> 47.4 ms
-# in two runs whose dense times are within 3 %);
-# 2-7 tokens are not timed.
-# benchmarks/results/router-dtype/ has the runs.
+# Fewest tokens for which a split-bf16 router (Routers.split_bf16_) runs its bf16 pair. A single token reads
+# the same bytes either way (fp32 [G, D] or bf16 [2G, D]) and gains nothing from tensor cores, so the fp32
+# GEMV serves decode at batch 1; from a few tokens on the tensor-core pair is the faster one.
+# benchmarks/results/router-dtype/ has the measurements.
 SPLIT_MIN_ROWS = 2
 
 
@@ -41,26 +46,27 @@ def split_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
 
 
-def split_logits(h: torch.Tensor, w2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """Logits of a linear router held as a bf16 pair (split_bf16), for bf16 inputs: one tensor-core GEMM
-    h @ [hi; lo]^T with fp32 accumulation and fp32 output (aten::mm.dtype on CUDA), then hi + lo in fp32.
-    A product of two bf16 values is exact in fp32, so this is the fp32 router up to summation order and the
-    2^-16 weight split, at bf16 GEMM speed (fp32 routers run without tensor cores: 4.6 ms of a 52 ms
-    Llama-3.1-8B-shape prefill on the H200)."""
-    G = w2.shape[0] // 2
-    x = h.reshape(-1, h.shape[-1])
-    if x.is_cuda:
-        y = torch.mm(x, w2.t(), out_dtype=torch.float32)
-    else:  # the same arithmetic where mm.dtype has no kernel (CPU)
-        y = x.float() @ w2.float().t()
-    out = y.narrow(1, 0, G) + y.narrow(1, G, G)
-    if b is not None:
-        out = out + b.float()
-    return out.reshape(*h.shape[:-1], G)
+class _RouterBase(nn.Module):
+    """What every router offers: forward(h) -> float32 logits [..., G] (execute iff > 0), `relaxed` for
+    training, `graph_form` for the form-B pass, `flops_per_token` for capacity accounting."""
+
+    groups: int
+
+    def flops_per_token(self) -> int:
+        return 0
+
+    def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
+        """Float 0/1 mask [..., G], hard in the forward, with a straight-through gradient."""
+        return gumbel_sigmoid_st(self(h), tau, noise)
+
+    def graph_form(self, dtype: torch.dtype | None = None, rows: int | None = None):
+        """(mask_fn, ((name, tensor), ...)): mask_fn(h, *tensors) -> bool [..., G], the decision as the pass
+        inserts it into a graph whose router input has `dtype` and `rows` tokens (None: unknown)."""
+        raise NotImplementedError
 
 
-class GroupRouter(nn.Module):
-    """h[..., D] -> logits[..., G] (float32). Linear, or D -> hidden -> G with SiLU."""
+class GroupRouter(_RouterBase):
+    """The "linear" recipe: h[..., D] -> logits[..., G] (float32). Linear, or D -> hidden -> G with SiLU."""
 
     def __init__(self, dim: int, groups: int, hidden: int = 0):
         super().__init__()
@@ -78,6 +84,10 @@ class GroupRouter(nn.Module):
             return 2 * (self.dim * self.hidden + self.hidden * self.groups)
         return 2 * self.dim * self.groups
 
+    def margin_bias(self) -> torch.Tensor:
+        """The bias whose increase by d raises every group's logit by d (calibration shifts it)."""
+        return self.proj.bias
+
     def split_for(self, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor | None:
         """The bf16 weight pair (Routers.split_bf16_) when it applies to inputs of `dtype` with `rows` tokens
         (None: unknown; in a traced graph a symbolic size, which Dynamo guarantees is >= 2), else None: the
@@ -87,17 +97,63 @@ class GroupRouter(nn.Module):
             ok = False
         return self.w_split if ok else None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        w2 = self.split_for(h.dtype, h.numel() // max(h.shape[-1], 1))
-        if w2 is not None:
-            return split_logits(h, w2, self.proj.bias)
-        x = h.to(self.proj.weight.dtype)
+    def _form(self, dtype, rows):
+        # (logits_fn, mask_fn, tensors): the one place that picks this router's maths
         if self.hidden:
-            x = nn.functional.silu(self.proj_in(x))
-        return self.proj(x)
+            return fns.mlp_logits, fns.mlp_router_mask, (("w1", self.proj_in.weight), ("b1", self.proj_in.bias),
+                                                  ("w2", self.proj.weight), ("b2", self.proj.bias))
+        w2 = self.split_for(dtype, rows) if dtype is not None else None
+        if w2 is not None:
+            return fns.split_logits, fns.split_router_mask, (("w2", w2), ("b", self.proj.bias))
+        return fns.linear_logits, fns.linear_router_mask, (("w", self.proj.weight), ("b", self.proj.bias))
+
+    def graph_form(self, dtype=None, rows=None):
+        _, mask_fn, tensors = self._form(dtype, rows)
+        return mask_fn, tensors
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits_fn, _, tensors = self._form(h.dtype, h.numel() // max(h.shape[-1], 1))
+        return logits_fn(h, *(t for _, t in tensors))
 
 
-class ConstantRouter(nn.Module):
+class PairRouter(_RouterBase):
+    """The "wide" recipe: h[..., D] -> down [..., r] -> up [..., G, 2] (skip, execute) logit pairs.
+    forward returns the margin exec - skip (float32 [..., G]); `relaxed` is a hard Gumbel-softmax over
+    each pair with a straight-through gradient."""
+
+    def __init__(self, dim: int, groups: int, rank: int = 32):
+        super().__init__()
+        self.dim, self.groups, self.rank = dim, groups, rank
+        self.down = nn.Linear(dim, rank)
+        self.up = nn.Linear(rank, 2 * groups)
+
+    def flops_per_token(self) -> int:
+        return 2 * (self.dim * self.rank + self.rank * 2 * self.groups)
+
+    def margin_bias(self) -> torch.Tensor:
+        """The execute logits' biases (a view): raising them by d raises every margin by d."""
+        return self.up.bias.view(self.groups, 2)[:, 1]
+
+    def _tensors(self):
+        return (("w_down", self.down.weight), ("b_down", self.down.bias), ("w_up", self.up.weight),
+                ("b_up", self.up.bias))
+
+    def graph_form(self, dtype=None, rows=None):
+        return fns.pair_router_mask, self._tensors()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return fns.pair_margin(h, *(t for _, t in self._tensors()))
+
+    def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
+        z = fns.pair_logits(h, *(t for _, t in self._tensors())).float()  # [..., G, 2]
+        if noise:
+            u = torch.rand_like(z).clamp_(1e-10, 1 - 1e-7)
+            z = z - torch.log(-torch.log(u))  # + Gumbel(0, 1)
+        soft = torch.softmax(z / tau, dim=-1)[..., 1]
+        return _StraightThrough.apply(soft)
+
+
+class ConstantRouter(_RouterBase):
     """Token-independent mask: logits = +-_BIG per group; costs no FLOPs."""
 
     def __init__(self, mask: torch.Tensor):
@@ -106,15 +162,15 @@ class ConstantRouter(nn.Module):
         self.groups = mask.numel()
         self.register_buffer("mask", mask.clone())
 
-    def flops_per_token(self) -> int:
-        return 0
+    def graph_form(self, dtype=None, rows=None):
+        return fns.constant_router_mask, (("mask", self.mask),)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = torch.where(self.mask, _BIG, -_BIG).to(device=h.device, dtype=torch.float32)
         return logits.expand(*h.shape[:-1], self.groups)
 
 
-class ReplayRouter(nn.Module):
+class ReplayRouter(_RouterBase):
     """Replays masks recorded on one input: logits = +-_BIG from mask[..., G], for exactly that token shape.
 
     For checks that must not depend on router decisions that sit within rounding of 0: a compiled model
@@ -130,14 +186,47 @@ class ReplayRouter(nn.Module):
         self.groups = mask.shape[-1]
         self.register_buffer("mask", mask.clone())
 
-    def flops_per_token(self) -> int:
-        return 0
+    def graph_form(self, dtype=None, rows=None):
+        return fns.replay_router_mask, (("mask", self.mask),)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if tuple(h.shape[:-1]) != tuple(self.mask.shape[:-1]):
             raise ValueError(f"ReplayRouter: recorded masks are for tokens {tuple(self.mask.shape[:-1])}, "
                              f"got input {tuple(h.shape[:-1])}; replay only on the input they were recorded on")
         return torch.where(self.mask.to(h.device), _BIG, -_BIG).to(dtype=torch.float32)
+
+
+LEARNED = (GroupRouter, PairRouter)
+
+
+def _init_group_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> GroupRouter:
+    r = GroupRouter(spec.hidden_size, groups, cfg.router_hidden)
+    with torch.no_grad():
+        for lin in ([r.proj_in] if cfg.router_hidden else []):
+            lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
+            lin.bias.zero_()
+        if cfg.router_init == "dense":
+            r.proj.weight.normal_(0.0, 0.01, generator=gen)
+            r.proj.bias.fill_(cfg.router_init_bias)
+        else:
+            r.proj.weight.normal_(0.0, 1.0 / math.sqrt(r.proj.in_features), generator=gen)
+            r.proj.bias.zero_()
+    return r
+
+
+def _init_pair_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> PairRouter:
+    r = PairRouter(spec.hidden_size, groups, cfg.router_rank)
+    with torch.no_grad():
+        r.down.weight.normal_(0.0, 1.0 / math.sqrt(spec.hidden_size), generator=gen)
+        r.down.bias.zero_()
+        r.up.bias.zero_()
+        if cfg.router_init == "dense":
+            # zero up-projection: every margin is exactly +router_init_bias, whatever the residual's scale
+            r.up.weight.zero_()
+            r.margin_bias().fill_(cfg.router_init_bias)
+        else:
+            r.up.weight.normal_(0.0, 1.0 / math.sqrt(cfg.router_rank), generator=gen)
+    return r
 
 
 class Routers(nn.Module):
@@ -162,28 +251,23 @@ class Routers(nn.Module):
     def init(cls, model, cfg: WideConfig, seed: int | None = 0) -> "Routers":
         """Fresh routers for `model` (an HF Llama-family model or a ModelSpec).
 
-        cfg.router_init == "dense" (default): every group starts on (bias +cfg.router_init_bias, weights
-        ~N(0, 0.01^2)), so a fresh router reproduces the dense model and training starts from it.
-        "random": weights ~N(0, 1/D), bias 0; use `calibrate_` to hit a capacity on real tokens.
+        cfg.router_recipe picks the router class (GroupRouter / PairRouter). cfg.router_init == "dense"
+        (default): every group starts on (margin +cfg.router_init_bias, output weights ~0), so a fresh router
+        reproduces the dense model and training starts from it. "random": random projections, bias 0; use
+        `calibrate_` to hit a capacity on real tokens.
         """
         spec = model_spec(model)
         cfg.validate(spec)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         ga, gf = cfg.num_head_groups(spec), cfg.num_ffn_groups(spec)
 
-        def make(groups: int) -> GroupRouter:
-            r = GroupRouter(spec.hidden_size, groups, cfg.router_hidden)
-            with torch.no_grad():
-                for lin in ([r.proj_in] if cfg.router_hidden else []):
-                    lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
-                    lin.bias.zero_()
-                if cfg.router_init == "dense":
-                    r.proj.weight.normal_(0.0, 0.01, generator=gen)
-                    r.proj.bias.fill_(cfg.router_init_bias)
-                else:
-                    r.proj.weight.normal_(0.0, 1.0 / math.sqrt(r.proj.in_features), generator=gen)
-                    r.proj.bias.zero_()
-            return r
+        if cfg.router_recipe == "wide" and cfg.router_hidden:
+            raise ValueError("router_hidden applies to the linear recipe; the wide recipe's bottleneck is "
+                             "router_rank (set router_hidden=0)")
+        make_one = _init_pair_router if cfg.router_recipe == "wide" else _init_group_router
+
+        def make(groups: int):
+            return make_one(spec, cfg, groups, gen)
 
         return cls(spec, cfg, [make(ga) for _ in range(spec.num_layers)],
                    [make(gf) for _ in range(spec.num_layers)])
@@ -242,14 +326,14 @@ class Routers(nn.Module):
     # -- decisions ---------------------------------------------------------------------------------
     def decide(self, router: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Mask for h: bool [..., G] when hard, float 0/1 with straight-through gradient when relaxed."""
-        logits = router(h)
         if self.tau is None:
-            return logits > 0
-        return gumbel_sigmoid_st(logits, self.tau, self.noise and self.training)
+            return router(h) > 0
+        return router.relaxed(h, self.tau, self.noise and self.training)
 
     @contextmanager
     def relax(self, tau: float, noise: bool = True) -> Iterator["Routers"]:
-        """Within this context, decisions are Gumbel-sigmoid (temperature tau) with straight-through."""
+        """Within this context, decisions are relaxed (each router's `relaxed`: Gumbel with temperature tau,
+        hard forward, straight-through gradient)."""
         old = (self.tau, self.noise)
         self.tau, self.noise = float(tau), noise
         try:
@@ -324,31 +408,12 @@ class Routers(nn.Module):
         return r
 
     # -- calibration -------------------------------------------------------------------------------
-    @torch.no_grad()
     def calibrate_(self, model, input_ids: torch.Tensor, capacity: float | None = None,
                    attention_mask: torch.Tensor | None = None) -> "Routers":
-        """Set router biases so every group's on-rate on these tokens is the uniform rate that gives
-        `capacity` (default cfg.capacity). Used for random-weight benchmark models; trained routers
-        should not need it."""
-        from .attach import record_logits, routed
-        from .capacity import FlopCost
+        """Per-group bias calibration to a capacity (see routing.calibrate.calibrate_groups_)."""
+        from .calibrate import calibrate_groups_
 
-        cap = self.cfg.capacity if capacity is None else capacity
-        rate = FlopCost.from_routers(self).uniform_rate(cap)
-        with routed(model, self), record_logits(model) as rec:  # these routers, whatever was attached
-            model(input_ids=input_ids, attention_mask=attention_mask)
-        valid = None if attention_mask is None else attention_mask.bool().reshape(-1)
-        for kind, routers in (("attn", self.attn), ("ffn", self.ffn)):
-            for i, r in enumerate(routers):
-                if not isinstance(r, GroupRouter):
-                    raise ValueError("calibrate_ needs learned (GroupRouter) routers")
-                lg = rec[kind][i].reshape(-1, r.groups).float()
-                if valid is not None:
-                    lg = lg[valid]
-                # per group: shift so that a fraction `rate` of tokens has logit > 0
-                q = torch.quantile(lg, 1.0 - rate, dim=0) if rate < 1 else lg.min(0).values - 1.0
-                r.proj.bias -= q.to(r.proj.bias.dtype)
-        return self
+        return calibrate_groups_(self, model, input_ids, capacity, attention_mask)
 
 
 def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> torch.Tensor:

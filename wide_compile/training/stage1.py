@@ -2,302 +2,263 @@
 
 loss = kd_weight * KL(dense teacher || routed student)            (token-mean, full vocabulary, T=1)
      + lm_weight * next-token cross-entropy of the routed student
-     + cap_weight * (capacity - target_t)^2                        (FLOP-weighted, DESIGN.md)
+     + cap_weight * capacity_loss                                  (FLOP-weighted, DESIGN.md)
 
-Decisions are relaxed with a straight-through Gumbel-sigmoid (`Routers.relax(tau)`): the forward pass is
-hard 0/1 (so the student sees exactly what inference will do, up to noise), the backward pass uses the
-sigmoid's gradient. tau is annealed geometrically tau_start -> tau_end; the Gumbel noise is switched off
-for the last `noise_off_frac` of the steps so the deterministic (inference) decisions are trained last.
-The capacity target is ramped linearly from 1.0 to `capacity` over the first `ramp_frac` of the steps
-(routers start dense: `router_init="dense"`). After training, one global logit offset is calibrated by
-bisection on held-out training text so the deterministic capacity equals the target (|err| < 0.005).
+capacity_loss is (attn - target_attn)^2 + (ffn - target_ffn)^2 (separate attention / FFN targets, each
+defaulting to `capacity`) with `separate_targets` (the "wide" recipe's default) or a per-kind target given,
+else (overall - target)^2. Decisions are relaxed (`Routers.relax(tau)`: each router's hard
+straight-through relaxation; the forward is hard 0/1, so the student sees what inference will do up to
+noise). tau is annealed tau_start -> tau_end ("linear" or
+"geometric"); the Gumbel noise is switched off for the last `noise_off_frac` of the steps so the
+deterministic (inference) decisions are trained last. Capacity targets ramp linearly from 1.0 over the
+first `ramp_frac` of the steps (routers start dense: `router_init="dense"`).
 
-Checkpoints (safetensors): <out>/routers.safetensors (final), <out>/ckpt/last.safetensors (routers) +
-<out>/ckpt/opt.safetensors (AdamW state, step in metadata). Re-running with the same --out resumes.
+Budget: `epochs` passes over the training blocks (steps derived from the token count), held-out
+perplexity of the routed model every `eval_every` steps (training/heldout.py: at the calibrated capacity),
+early stopping after `patience` evaluations without improvement, the best routers kept. After training the
+margins are calibrated on held-out text so the deterministic capacities equal the targets.
+
+Files (<out>): routers.safetensors (final), curve.json / curve.png, stage1.json (config + last records),
+ckpt/ (training/loop.py: exact resume). Re-running with the same --out resumes or, if finished, returns.
 """
 from __future__ import annotations
 
 import json
 import math
-import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import WideConfig
-from ..routing import FlopCost, Routers, attach, detach, record_masks, routed
-from ..routing.routers import GroupRouter
+from ..models.spec import model_spec
+from ..routing import FlopCost, Routers, attach, detach, record_masks
+from ..routing.calibrate import calibrate_offset_, deterministic_capacity  # noqa: F401  (re-exported)
+from .heldout import HeldoutEval, split_heldout
+from .loop import Clock, Phase, run_phase
+from .losses import (anneal, autocast, capacity_loss, kd_loss, lm_loss, lr_factor,  # noqa: F401  (re-exported)
+                     relaxed_capacity, set_lr, teacher_logits)
+
+# per recipe, the defaults that differ from Stage1Config's own (the "wide" ones follow the method's authors)
+RECIPE_DEFAULTS = {
+    "linear": {},
+    # a margin of 2 executes ~88% of groups under the training noise; a larger bias lr lets the ramp move it
+    "wide": {"router_recipe": "wide", "router_rank": 32, "tau_start": 5.0, "tau_end": 0.5, "tau_anneal": "linear",
+             "lr": 2e-3, "bias_lr_mult": 25.0, "router_init_bias": 2.0, "separate_targets": True},
+}
 
 
 @dataclass
 class Stage1Config:
     capacity: float = 0.5
-    steps: int = 400
+    capacity_attn: float | None = None   # None: `capacity`
+    capacity_ffn: float | None = None    # None: `capacity`
+    separate_targets: bool = False       # regularise attention and FFN capacity separately
+    steps: int = 400                     # used when epochs == 0
+    epochs: float = 0.0                  # > 0: steps = ceil(epochs * train blocks / batch_size)
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 3e-3
-    bias_lr_mult: float = 10.0  # router biases move ~3 logits from the dense init: give them a larger lr
+    bias_lr_mult: float = 10.0  # router margins move a few logits from the dense init: a larger lr
+    warmup_frac: float = 0.05
+    min_lr_frac: float = 0.1
     weight_decay: float = 0.0
     kd_weight: float = 1.0
     lm_weight: float = 0.1
     cap_weight: float = 30.0
     tau_start: float = 1.0
     tau_end: float = 0.2
+    tau_anneal: str = "geometric"
     ramp_frac: float = 0.3
     noise_off_frac: float = 0.2
     seed: int = 0
     ckpt_every: int = 100
+    log_every: int = 10
+    eval_every: int = 0       # 0: 8 evaluations over the run
+    patience: int = 0         # evaluations without a better held-out ppl before stopping; 0: never stop early
+    eval_blocks: int = 64     # held-out blocks whose ppl is measured
+    eval_calibrated: bool = True
     calibrate: bool = True
     calib_blocks: int = 32  # held-out blocks used by the capacity calibration
-    amp: bool = False  # bf16 autocast on CUDA (default: run the model in its own dtype, routers fp32)
+    amp: bool = False  # bf16 autocast on CUDA for the training steps
     # router shape
     ffn_group_size: int = 64
-    head_group_size: int = 1
+    head_group_size: int | str = 1  # or "kv": the query heads of one KV group
     router_hidden: int = 0
+    router_recipe: str = "linear"
+    router_rank: int = 32
+    router_init_bias: float = 3.0
     extra: dict = field(default_factory=dict)
 
-    def wide_config(self) -> WideConfig:
-        return WideConfig(ffn_group_size=self.ffn_group_size, head_group_size=self.head_group_size,
-                          capacity=self.capacity, router_hidden=self.router_hidden, router_init="dense")
+    @classmethod
+    def for_recipe(cls, recipe: str, **kw) -> "Stage1Config":
+        if recipe not in RECIPE_DEFAULTS:
+            raise ValueError(f"unknown router recipe {recipe!r}; choose one of {sorted(RECIPE_DEFAULTS)}")
+        return cls(**{**RECIPE_DEFAULTS[recipe], **kw})
+
+    def targets(self) -> dict:
+        """Final capacity targets: overall, and attn / ffn when regularised separately."""
+        t = {"overall": self.capacity}
+        if self.separate_targets or self.capacity_attn is not None or self.capacity_ffn is not None:
+            t["attn"] = self.capacity if self.capacity_attn is None else self.capacity_attn
+            t["ffn"] = self.capacity if self.capacity_ffn is None else self.capacity_ffn
+        return t
+
+    def wide_config(self, model=None) -> WideConfig:
+        hgs = self.head_group_size
+        if model is not None:
+            hgs = resolve_head_group_size(hgs, model)
+        elif not isinstance(hgs, int):
+            raise ValueError(f"head_group_size={hgs!r} needs the model to resolve; pass wide_config(model)")
+        return WideConfig(ffn_group_size=self.ffn_group_size, head_group_size=hgs, capacity=self.capacity,
+                          router_hidden=self.router_hidden, router_init="dense", router_recipe=self.router_recipe,
+                          router_rank=self.router_rank, router_init_bias=self.router_init_bias)
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """Token-mean KL(teacher || student) over the full vocabulary, computed in fp32 chunks."""
-    s = student_logits.reshape(-1, student_logits.shape[-1])
-    t = teacher_logits.reshape(-1, teacher_logits.shape[-1])
-    total = s.new_zeros((), dtype=torch.float32)
-    for i in range(0, s.shape[0], chunk):
-        ls = F.log_softmax(s[i:i + chunk].float(), -1)
-        lt = F.log_softmax(t[i:i + chunk].float(), -1)
-        total = total + (lt.exp() * (lt - ls)).sum()
-    return total / s.shape[0]
-
-
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-
-
-def relaxed_capacity(routers: Routers, rec: dict, cost: FlopCost | None = None) -> dict:
-    """Differentiable FLOP capacity from recorded (relaxed) masks of one forward."""
-    cost = cost or FlopCost.from_routers(routers)
-    attn = [torch.cat([m.float().mean(-1).reshape(-1) for m in rec["attn"][i]]) for i in range(len(rec["attn"]))]
-    ffn = [torch.cat([m.float().mean(-1).reshape(-1) for m in rec["ffn"][i]]) for i in range(len(rec["ffn"]))]
-    return cost.capacity(attn, ffn)
-
-
-@torch.no_grad()
-def teacher_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Dense logits of `model` (routers temporarily detached if attached)."""
-    with routed(model, None):
-        return model(input_ids=ids).logits
-
-
-def _autocast(device, enabled: bool):
-    dev = torch.device(device)
-    if enabled and dev.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
-
-    return contextlib.nullcontext()
+def resolve_head_group_size(value, model) -> int:
+    """An int, or "kv": query heads per KV head (one router bit per KV group under GQA)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if str(value).isdigit():
+        return int(value)
+    if value != "kv":
+        raise ValueError(f"head_group_size must be a positive integer or 'kv', got {value!r}")
+    s = model_spec(model)
+    if s.num_kv_heads < 1 or s.num_heads % s.num_kv_heads:
+        raise ValueError(f"head_group_size='kv' needs the query heads ({s.num_heads}) to split evenly into "
+                         f"KV groups ({s.num_kv_heads} KV heads)")
+    return s.num_heads // s.num_kv_heads
 
 
 def schedule(step: int, steps: int, cfg: Stage1Config) -> tuple[float, float, bool]:
-    """(tau, capacity target, noise) at `step`."""
+    """(tau, overall capacity target, noise) at `step`."""
+    tau = anneal(step, steps, cfg.tau_start, cfg.tau_end, cfg.tau_anneal)
+    return tau, _ramp(step, steps, cfg, cfg.capacity), step / max(1, steps - 1) < 1.0 - cfg.noise_off_frac
+
+
+def _ramp(step: int, steps: int, cfg: Stage1Config, target: float) -> float:
     frac = step / max(1, steps - 1)
-    tau = cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** frac
-    ramp = max(1e-9, cfg.ramp_frac)
-    target = 1.0 - (1.0 - cfg.capacity) * min(1.0, frac / ramp)
-    noise = frac < 1.0 - cfg.noise_off_frac
-    return tau, target, noise
+    return 1.0 - (1.0 - target) * min(1.0, frac / max(1e-9, cfg.ramp_frac))
 
 
-# -- optimizer state in safetensors ----------------------------------------------------------------
-def _save_opt(opt: torch.optim.Optimizer, path: Path, step: int) -> None:
-    from safetensors.torch import save_file
-
-    sd = opt.state_dict()
-    tensors = {}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"{pid}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
-    meta = {"step": str(step), "param_groups": json.dumps(sd["param_groups"])}
-    save_file(tensors, str(path), metadata=meta)
+def total_steps(cfg, n_train_blocks: int) -> int:
+    if cfg.epochs and cfg.epochs > 0:
+        return max(1, math.ceil(cfg.epochs * n_train_blocks / cfg.batch_size))
+    return cfg.steps
 
 
-def _previous_history(out_dir, name: str) -> list:
-    """The loss history a resumed run's earlier part wrote (its last 50 steps), so a run resumed at
-    its final step still reports how it ended; [] when the earlier part stopped before writing it."""
-    f = Path(out_dir) / name if out_dir else None
-    if f is None or not f.is_file():
-        return []
-    return list(json.loads(f.read_text()).get("history", []))
+def auto_eval_every(cfg, steps: int) -> int:
+    return cfg.eval_every if cfg.eval_every > 0 else max(1, steps // 8)
 
 
-def _fast_forward(sched, steps: int) -> None:
-    """Advance a resumed run's LR schedule to its step (no optimizer step is due here, so torch's
-    "scheduler before optimizer" warning does not apply)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(steps):
-            sched.step()
+def router_optimizer(routers: Routers, cfg) -> torch.optim.AdamW:
+    """AdamW over the router parameters; the margin biases get lr * bias_lr_mult."""
+    named = [(n, p) for n, p in routers.named_parameters() if p.requires_grad]
+    is_bias = lambda n: n.endswith(("proj.bias", "up.bias"))  # noqa: E731
+    groups = [{"params": [p for n, p in named if not is_bias(n)], "base_lr": cfg.lr},
+              {"params": [p for n, p in named if is_bias(n)], "base_lr": cfg.lr * cfg.bias_lr_mult}]
+    for g in groups:
+        g["lr"] = g["base_lr"]
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
 
 
-def _load_opt(opt: torch.optim.Optimizer, path: Path) -> int:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        state: dict = {}
-        for k in f.keys():
-            pid, name = k.split(".", 1)
-            state.setdefault(int(pid), {})[name] = f.get_tensor(k)
-    opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
-    return int(meta["step"])
+def _scheduled_targets(step: int, steps: int, cfg: Stage1Config) -> dict:
+    return {k: _ramp(step, steps, cfg, v) for k, v in cfg.targets().items()}
 
 
-# -- capacity calibration ---------------------------------------------------------------------------
-def _learned(routers: Routers) -> list[GroupRouter]:
-    return [r for r in list(routers.attn) + list(routers.ffn) if isinstance(r, GroupRouter)]
+def _stage1_phase(model, routers: Routers, blocks, cfg: Stage1Config, out_dir, device) -> Phase:
+    steps = total_steps(cfg, len(blocks.train))
+    opt = router_optimizer(routers, cfg)
+    cost = FlopCost.from_routers(routers)
+    calib, evalb = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
+
+    def step_fn(step: int, ids: torch.Tensor) -> dict:
+        ids = ids.to(device, non_blocking=True)
+        tau, _, noise = schedule(step, steps, cfg)
+        set_lr(opt, lr_factor(step, steps, cfg.warmup_frac, cfg.min_lr_frac))
+        with autocast(device, cfg.amp):
+            t_logits = teacher_logits(model, ids) if cfg.kd_weight > 0 else None
+            with routers.relax(tau, noise=noise), record_masks(model) as rec:
+                logits = model(input_ids=ids).logits
+            cap = relaxed_capacity(routers, rec, cost)
+        zero = logits.new_zeros((), dtype=torch.float32)
+        loss_kd = kd_loss(logits, t_logits) if t_logits is not None else zero
+        loss_lm = lm_loss(logits, ids) if cfg.lm_weight > 0 else zero
+        loss_cap = capacity_loss(cap, _scheduled_targets(step, steps, cfg))
+        loss = cfg.kd_weight * loss_kd + cfg.lm_weight * loss_lm + cfg.cap_weight * loss_cap
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(routers.parameters(), 1.0)
+        opt.step()
+        return {"loss": loss.detach(), "kd": loss_kd.detach(), "lm": loss_lm.detach(),
+                "cap": cap["overall"].detach(), "attn": cap["attn"].detach(), "ffn": cap["ffn"].detach()}
+
+    def sched(step: int) -> dict:
+        tau, target, noise = schedule(step, steps, cfg)
+        t = _scheduled_targets(step, steps, cfg)
+        return {"tau": tau, "target": target, "target_attn": t.get("attn"), "target_ffn": t.get("ffn"),
+                "noise": noise, "lr_factor": lr_factor(step, steps, cfg.warmup_frac, cfg.min_lr_frac)}
+
+    ramp_end = cfg.ramp_frac * (steps - 1)
+    return Phase(
+        name=f"stage1 c={cfg.capacity}", out_dir=Path(out_dir) if out_dir else None, total_steps=steps,
+        tokens_per_step=cfg.batch_size * cfg.seq_len,
+        batches=lambda start: blocks.batches(cfg.batch_size, steps, seed=cfg.seed, start=start),
+        step_fn=step_fn, schedule=sched, optimizer=opt,
+        evaluate=HeldoutEval(model, routers, calib, evalb, cfg.targets(), calibrated=cfg.eval_calibrated),
+        trainables=lambda: dict(routers.state_dict()),
+        load_trainables=lambda d: routers.load_state_dict(d),
+        eligible=lambda step: step >= ramp_end, eval_every=auto_eval_every(cfg, steps), patience=cfg.patience,
+        log_every=cfg.log_every, ckpt_every=cfg.ckpt_every, config=asdict(cfg))
 
 
-@torch.no_grad()
-def deterministic_capacity(model, routers: Routers, blocks: torch.Tensor, batch_size: int = 8,
-                           amp: bool = False) -> dict:
-    """Hard-threshold capacity of `routers` on `blocks` [N, S] (all real tokens)."""
-    from ..routing.measure import capacity_from_record
-
-    dev = next(model.parameters()).device
-    recs = {"attn": [[] for _ in range(routers.spec.num_layers)], "ffn": [[] for _ in range(routers.spec.num_layers)]}
-    with routed(model, routers):  # these routers, whatever was attached before
-        for i in range(0, len(blocks), batch_size):
-            with record_masks(model) as rec, _autocast(dev, amp):
-                model(input_ids=blocks[i:i + batch_size].to(dev))
-            for k in ("attn", "ffn"):
-                for L in range(routers.spec.num_layers):
-                    recs[k][L] += [m.float().mean(-1).reshape(-1, 1) for m in rec[k][L]]
-    return capacity_from_record(routers, recs)
-
-
-@torch.no_grad()
-def calibrate_offset_(model, routers: Routers, blocks: torch.Tensor, target: float, tol: float = 0.003,
-                      iters: int = 18, amp: bool = False, log=print) -> float:
-    """Add one global offset to every learned router's bias so the deterministic capacity on `blocks`
-    equals `target` (bisection). Returns the offset applied."""
-    rs = _learned(routers)
-    base = [r.proj.bias.detach().clone() for r in rs]
-
-    def set_off(o):
-        for r, b in zip(rs, base):
-            r.proj.bias.copy_(b + o)
-
-    lo, hi = -12.0, 12.0
-    cap0 = cap = deterministic_capacity(model, routers, blocks, amp=amp)["overall"]
-    off = 0.0
-    if abs(cap0 - target) <= tol:
-        return 0.0
-    for _ in range(iters):  # capacity is monotone non-decreasing in the offset
-        off = 0.5 * (lo + hi)
-        set_off(off)
-        cap = deterministic_capacity(model, routers, blocks, amp=amp)["overall"]
-        if abs(cap - target) <= tol:
-            break
-        if cap > target:
-            hi = off
-        else:
-            lo = off
-    log(f"calibrated global router offset {off:+.3f}: capacity {cap0:.4f} -> {cap:.4f} (target {target})")
-    return off
-
-
-# -- the trainer ------------------------------------------------------------------------------------
 def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, log=print,
-                 routers: Routers | None = None, progress: bool = True) -> Routers:
-    """Train routers for `model` (frozen) on `blocks` (a data.TokenBlocks). Returns routers (detached,
-    hard decisions, calibrated if cfg.calibrate)."""
-    from tqdm.auto import tqdm
-
+                 routers: Routers | None = None, progress: bool = True, clock: Clock | None = None,
+                 stop_after: int | None = None) -> Routers:
+    """Train routers for `model` (frozen) on `blocks` (a data.TokenBlocks). Returns the routers (detached,
+    hard decisions, the best held-out ones, calibrated if cfg.calibrate), with `.train_history` (the
+    curve's training records) and `.train_status` ("done", or "paused" when the clock's deadline or
+    `stop_after` ended this invocation first: re-run to continue; nothing final is written then)."""
     device = device or next(model.parameters()).device
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     model.eval()
     if routers is None:
-        routers = Routers.init(model, cfg.wide_config(), seed=cfg.seed)
+        routers = Routers.init(model, cfg.wide_config(model), seed=cfg.seed)
     routers.to(device).train()
-    for p in routers.parameters():
-        p.requires_grad_(True)
-    named = [(n, p) for n, p in routers.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for n, p in named if not n.endswith("proj.bias")], "lr": cfg.lr},
-                             {"params": [p for n, p in named if n.endswith("proj.bias")],
-                              "lr": cfg.lr * cfg.bias_lr_mult}],
-                            weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    start = 0
-    ck = Path(out_dir) / "ckpt" if out_dir else None
-    if ck is not None and (ck / "last.safetensors").is_file() and (ck / "opt.safetensors").is_file():
-        loaded = Routers.load(ck / "last.safetensors", model)
-        routers.load_state_dict(loaded.state_dict())
-        start = _load_opt(opt, ck / "opt.safetensors")
-        log(f"resumed stage 1 from {ck} at step {start}")
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.steps)))))
-    _fast_forward(sched, start)
-    cost = FlopCost.from_routers(routers)
+    routers.requires_grad_(True)
+    phase = _stage1_phase(model, routers, blocks, cfg, out_dir, device)
     attach(model, routers)
-    hist = _previous_history(out_dir, "stage1.json") if start else []
-    t0 = time.time()
-    it = blocks.batches(cfg.batch_size, cfg.steps, seed=cfg.seed, start=start)
-    bar = tqdm(range(start, cfg.steps), desc=f"stage1 c={cfg.capacity}", disable=not progress, mininterval=5)
     try:
-        for step in bar:
-            ids = next(it).to(device)
-            tau, target, noise = schedule(step, cfg.steps, cfg)
-            with _autocast(device, cfg.amp):
-                t_logits = teacher_logits(model, ids) if cfg.kd_weight > 0 else None
-                with routers.relax(tau, noise=noise), record_masks(model) as rec:
-                    logits = model(input_ids=ids).logits
-                cap = relaxed_capacity(routers, rec, cost)
-            loss_kd = kd_loss(logits, t_logits) if t_logits is not None else logits.new_zeros(())
-            loss_lm = lm_loss(logits, ids) if cfg.lm_weight > 0 else logits.new_zeros(())
-            loss_cap = (cap["overall"] - target) ** 2
-            loss = cfg.kd_weight * loss_kd + cfg.lm_weight * loss_lm + cfg.cap_weight * loss_cap
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(routers.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            rec_ = {"step": step + 1, "loss": float(loss.detach()), "kd": float(loss_kd.detach()), "lm": float(loss_lm.detach()),
-                    "cap": float(cap["overall"].detach()), "attn": float(cap["attn"].detach()),
-                    "ffn": float(cap["ffn"].detach()),
-                    "target": target, "tau": tau}
-            hist.append(rec_)
-            bar.set_postfix(kd=f"{rec_['kd']:.3f}", cap=f"{rec_['cap']:.3f}", tgt=f"{target:.2f}")
-            if ck is not None and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
-                ck.mkdir(parents=True, exist_ok=True)
-                routers.save(ck / "last.safetensors")
-                _save_opt(opt, ck / "opt.safetensors", step + 1)
-            if (step + 1) % max(1, cfg.steps // 8) == 0:
-                log(f"  step {step + 1}/{cfg.steps} kd {rec_['kd']:.4f} lm {rec_['lm']:.3f} cap {rec_['cap']:.3f} "
-                    f"(attn {rec_['attn']:.3f} ffn {rec_['ffn']:.3f}) target {target:.3f} tau {tau:.2f} "
-                    f"[{time.time() - t0:.0f}s]")
+        status, st = run_phase(phase, clock, log=log, stop_after=stop_after, progress=progress)
     finally:
         detach(model)
     routers.eval()
     routers.requires_grad_(False)
+    routers.train_history, routers.train_status, routers.train_state = st.curve["train"], status, st
+    if status == "paused":
+        return routers
     if cfg.calibrate:
-        calibrate_offset_(model, routers, blocks.heldout[:cfg.calib_blocks], cfg.capacity, amp=cfg.amp, log=log)
+        calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
+        t = cfg.targets()
+        calibrate_offset_(model, routers, calib, cfg.capacity, log=log, target_attn=t.get("attn"),
+                          target_ffn=t.get("ffn"))
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         routers.save(Path(out_dir) / "routers.safetensors")
-        (Path(out_dir) / "stage1.json").write_text(json.dumps({"config": asdict(cfg), "history": hist[-50:]}))
-    routers.train_history = hist
+        (Path(out_dir) / "stage1.json").write_text(json.dumps({"config": asdict(cfg), "history": st.curve["train"][-50:],
+                                                               "best_step": st.best_step, "best_ppl": st.best_ppl}))
     return routers
 
 
 def main(argv=None):
     import argparse
+    import time
 
+    from .data import TokenBlocks
+    from .options import add_config_args, config_from_args, fast_cuda, real_model_and_tokens, smoke_model_and_tokens
+
+    t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage1",
                                  description="Stage 1: train WIDE (or SkipGPT-style) routers, base frozen")
     ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
@@ -307,39 +268,26 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                     help="skipgpt = one group per module (skip the whole attention / MLP per token)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, a few steps (CPU check)")
-    for k, v in asdict(Stage1Config()).items():
-        if k == "extra":
-            continue
-        if isinstance(v, bool):
-            ap.add_argument(f"--{k.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"), default=v)
-        else:
-            ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    add_config_args(ap, Stage1Config)
     a = ap.parse_args(argv)
-    cfg = Stage1Config(**{k: getattr(a, k) for k in asdict(Stage1Config()) if k != "extra"})
-    from .data import TokenBlocks, load_tokens
-
+    cfg = config_from_args(a, Stage1Config)
     if a.smoke:
-        from ..models import tiny_model
-
-        model = tiny_model("smollm2").to(a.device)
-        import numpy as np
-
-        toks = np.random.default_rng(0).integers(0, 128, 20000)
-        cfg.steps, cfg.seq_len, cfg.batch_size = min(cfg.steps, 20), 64, 4
+        model, toks = smoke_model_and_tokens(a.device)
+        cfg.steps, cfg.seq_len, cfg.batch_size, cfg.epochs = min(cfg.steps, 20), 64, 4, 0
     else:
-        from ..models import load_smollm2
-
-        model, tok = load_smollm2(device=a.device, gguf_path=a.gguf)
-        toks = load_tokens(tok, a.data, a.tokens)
+        fast_cuda()
+        model, toks = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens)
     if a.method == "skipgpt":
-        from ..models.spec import model_spec
-
         s = model_spec(model)
         cfg.head_group_size, cfg.ffn_group_size = s.num_heads, s.intermediate_size
     blocks = TokenBlocks(toks, cfg.seq_len)
-    r = train_stage1(model, blocks, cfg, out_dir=a.out, device=a.device)
-    c = deterministic_capacity(model, r, blocks.heldout[:16], amp=cfg.amp)
-    print(json.dumps({"out": str(Path(a.out) / "routers.safetensors"), "capacity_heldout": c["overall"],
-                      "attn": c["attn"], "ffn": c["ffn"]}))
+    clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
+    r = train_stage1(model, blocks, cfg, out_dir=a.out, device=a.device, clock=clock)
+    if r.train_status == "paused":
+        return 75
+    print(json.dumps({"out": str(Path(a.out) / "routers.safetensors"), "best_step": r.train_state.best_step,
+                      "best_ppl": r.train_state.best_ppl}))
     return 0

@@ -1,47 +1,94 @@
-"""Stage 2: LoRA (peft) on the routed model, routers fixed (hard masks), or trained jointly.
+"""Stage 2: LoRA (peft) on the routed model, routers fixed (hard masks), or trained jointly (`joint`).
 
-LoRA is applied BEFORE `attach`, so the WIDE hooks sit on the LoRA-wrapped q/o/gate/down modules and the
-masks act on base + LoRA paths alike. loss = kd_weight * KL(dense teacher || routed student) + lm_weight * LM
-(+ the stage-1 capacity regulariser when `joint`, with relaxed router decisions at tau_end).
-The teacher is the original dense model (adapters disabled, routers detached).
+LoRA is applied BEFORE `attach`, so the WIDE hooks sit on the LoRA-wrapped modules and the masks act on
+base + LoRA paths alike. loss = kd_weight * KL(dense teacher || routed student) + lm_weight * LM
+(+ with `joint`: the stage-1 capacity regulariser, relaxed router decisions with tau annealed
+tau_start -> tau_end, Gumbel noise off for the last noise_off_frac). The teacher is the original dense
+model (adapters disabled, routers detached), run under no_grad.
+
+Budget, held-out evaluation, early stopping and exact resume as stage 1 (training/loop.py). After training
+the jointly trained routers are calibrated back to their capacity targets.
 
 `train_stage2` returns (merged_model, routers, lora_state): the LoRA merged into a copy of the base weights
 (a plain HF model, routers detached), the routers (possibly updated), and the adapter tensors (to save).
-Checkpoints: <out>/lora.safetensors (+ routers.safetensors), <out>/ckpt/{lora,opt}.safetensors for resuming.
+Files (<out>): lora.safetensors, routers.safetensors, curve.json / curve.png, stage2.json, ckpt/.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-import math
-import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ..routing import FlopCost, Routers, attach, detach, record_masks
-from .stage1 import _fast_forward, _load_opt, _previous_history, _save_opt, kd_loss, lm_loss, relaxed_capacity
+from ..routing import FlopCost, Routers, attach, detach, record_masks, routed
+from ..routing.calibrate import calibrate_offset_
+from .heldout import HeldoutEval, split_heldout
+from .loop import Clock, Phase, run_phase
+from .losses import anneal, autocast, capacity_loss, kd_loss, lm_loss, lr_factor, relaxed_capacity, set_lr
+from .stage1 import auto_eval_every, total_steps
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+RECIPE_DEFAULTS = {
+    "linear": {},
+    "wide": {"joint": True, "tau_start": 5.0, "tau_end": 0.5, "tau_anneal": "linear", "router_lr": 5e-4,
+             "separate_targets": True},
+}
 
 
 @dataclass
 class Stage2Config:
-    steps: int = 200
+    steps: int = 200              # used when epochs == 0
+    epochs: float = 0.0           # > 0: steps = ceil(epochs * train blocks / batch_size)
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 1e-3
+    warmup_frac: float = 0.05
+    min_lr_frac: float = 0.0
     rank: int = 8
     alpha: int = 16
+    lora_dropout: float = 0.0
     kd_weight: float = 1.0
     lm_weight: float = 0.1
     joint: bool = False          # also train the routers (relaxed, capacity regulariser)
     router_lr: float = 1e-3
     cap_weight: float = 30.0
-    tau: float = 0.2
+    capacity: float | None = None        # None: the routers' own cfg.capacity
+    capacity_attn: float | None = None   # None: capacity
+    capacity_ffn: float | None = None
+    separate_targets: bool = False
+    tau_start: float = 0.2
+    tau_end: float = 0.2
+    tau_anneal: str = "geometric"
+    noise_off_frac: float = 1.0  # 1.0: no Gumbel noise at all (the routers are already trained)
     seed: int = 0
     ckpt_every: int = 100
+    log_every: int = 10
+    eval_every: int = 0
+    patience: int = 0
+    eval_blocks: int = 64
+    calib_blocks: int = 32
+    eval_calibrated: bool = True
+    calibrate: bool = True
+    amp: bool = False
+
+    @classmethod
+    def for_recipe(cls, recipe: str, **kw) -> "Stage2Config":
+        if recipe not in RECIPE_DEFAULTS:
+            raise ValueError(f"unknown router recipe {recipe!r}; choose one of {sorted(RECIPE_DEFAULTS)}")
+        return cls(**{**RECIPE_DEFAULTS[recipe], **kw})
+
+    def targets(self, routers: Routers) -> dict:
+        c = routers.cfg.capacity if self.capacity is None else self.capacity
+        t = {"overall": c}
+        if self.separate_targets or self.capacity_attn is not None or self.capacity_ffn is not None:
+            t["attn"] = c if self.capacity_attn is None else self.capacity_attn
+            t["ffn"] = c if self.capacity_ffn is None else self.capacity_ffn
+        return t
 
 
 def lora_state(peft_model) -> dict[str, torch.Tensor]:
@@ -60,10 +107,10 @@ def save_lora(peft_model, path, meta: dict | None = None) -> None:
     save_file({k: v.to(torch.bfloat16) for k, v in lora_state(peft_model).items()}, str(path), metadata=m)
 
 
-def apply_lora(model, rank: int = 8, alpha: int = 16, targets=None):
+def apply_lora(model, rank: int = 8, alpha: int = 16, targets=None, dropout: float = 0.0):
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets or TARGETS), lora_dropout=0.0,
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets or TARGETS), lora_dropout=dropout,
                      bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)
 
@@ -83,103 +130,143 @@ def load_lora_merged(model, path):
     return pm.merge_and_unload()
 
 
-def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_dir=None, log=print,
-                 progress: bool = True):
-    from tqdm.auto import tqdm
+@contextmanager
+def dense_teacher(pm):
+    """The original dense model inside a routed LoRA model: routers detached, adapters disabled."""
+    with routed(pm, None), pm.disable_adapter():
+        yield pm
 
+
+def _trainables(pm, routers: Routers, joint: bool) -> dict:
+    from peft import get_peft_model_state_dict
+
+    d = {f"lora.{k}": v for k, v in get_peft_model_state_dict(pm).items()}
+    if joint:
+        d.update({f"routers.{k}": v for k, v in routers.state_dict().items()})
+    return d
+
+
+def _load_trainables(pm, routers: Routers, d: dict) -> None:
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(pm, {k[5:]: v.float() for k, v in d.items() if k.startswith("lora.")})
+    rs = {k[8:]: v for k, v in d.items() if k.startswith("routers.")}
+    if rs:
+        routers.load_state_dict(rs)
+
+
+def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, groups) -> Phase:
+    device = next(pm.parameters()).device
+    steps = total_steps(cfg, len(blocks.train))
+    opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
+    cost = FlopCost.from_routers(routers)
+    targets = cfg.targets(routers)
+    calib, evalb = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
+    params = [p for g in groups for p in g["params"]]
+
+    def tau_noise(step):
+        return (anneal(step, steps, cfg.tau_start, cfg.tau_end, cfg.tau_anneal),
+                step / max(1, steps - 1) < 1.0 - cfg.noise_off_frac)
+
+    def step_fn(step: int, ids: torch.Tensor) -> dict:
+        ids = ids.to(device, non_blocking=True)
+        set_lr(opt, lr_factor(step, steps, cfg.warmup_frac, cfg.min_lr_frac))
+        tau, noise = tau_noise(step)
+        with autocast(device, cfg.amp):
+            with torch.no_grad(), dense_teacher(pm):
+                t_logits = pm(input_ids=ids).logits
+            relax = routers.relax(tau, noise=noise) if cfg.joint else contextlib.nullcontext()
+            with relax, record_masks(pm) as rec:
+                logits = pm(input_ids=ids).logits
+            cap = relaxed_capacity(routers, rec, cost)
+        loss_kd = kd_loss(logits, t_logits)
+        loss_lm = lm_loss(logits, ids) if cfg.lm_weight > 0 else loss_kd.new_zeros(())
+        loss_cap = capacity_loss(cap, targets) if cfg.joint else loss_kd.new_zeros(())
+        loss = cfg.kd_weight * loss_kd + cfg.lm_weight * loss_lm + cfg.cap_weight * loss_cap
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return {"loss": loss.detach(), "kd": loss_kd.detach(), "lm": loss_lm.detach(),
+                "cap": cap["overall"].detach(), "attn": cap["attn"].detach(), "ffn": cap["ffn"].detach()}
+
+    def sched(step: int) -> dict:
+        tau, noise = tau_noise(step)
+        return {"tau": tau, "noise": noise, "target": targets["overall"],
+                "lr_factor": lr_factor(step, steps, cfg.warmup_frac, cfg.min_lr_frac)}
+
+    return Phase(
+        name="stage2", out_dir=Path(out_dir) if out_dir else None, total_steps=steps,
+        tokens_per_step=cfg.batch_size * cfg.seq_len,
+        batches=lambda start: blocks.batches(cfg.batch_size, steps, seed=cfg.seed + 1, start=start),
+        step_fn=step_fn, schedule=sched, optimizer=opt,
+        evaluate=HeldoutEval(pm, routers, calib, evalb, targets, calibrated=cfg.joint and cfg.eval_calibrated,
+                             dense_context=lambda: dense_teacher(pm)),
+        trainables=lambda: _trainables(pm, routers, cfg.joint),
+        load_trainables=lambda d: _load_trainables(pm, routers, d),
+        eval_every=auto_eval_every(cfg, steps), patience=cfg.patience, log_every=cfg.log_every,
+        ckpt_every=cfg.ckpt_every, config=asdict(cfg))
+
+
+def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_dir=None, log=print,
+                 progress: bool = True, clock: Clock | None = None, stop_after: int | None = None):
+    """Returns (merged model, routers, lora tensors); when the clock's deadline or `stop_after` ends this
+    invocation first: (None, routers, None) with routers.train_status == "paused" (re-run to continue)."""
     device = next(base_model.parameters()).device
     torch.manual_seed(cfg.seed)
     model = copy.deepcopy(base_model)
     model.requires_grad_(False)
-    pm = apply_lora(model, cfg.rank, cfg.alpha)
-    for n, p in pm.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()  # fp32 adapters (the base may be bf16)
+    pm = apply_lora(model, cfg.rank, cfg.alpha, dropout=cfg.lora_dropout)
+    lora_params = [p for n, p in pm.named_parameters() if "lora_" in n]
+    for p in lora_params:
+        p.data = p.data.float()  # fp32 adapters (the base may be bf16)
+        p.requires_grad_(True)
     routers = copy.deepcopy(routers).to(device)
     routers.requires_grad_(cfg.joint)
     attach(pm, routers)
-    lora_params = [p for n, p in pm.named_parameters() if "lora_" in n]
-    for p in lora_params:
-        p.requires_grad_(True)
-    groups = [{"params": lora_params, "lr": cfg.lr}]
+    groups = [{"params": lora_params, "base_lr": cfg.lr, "lr": cfg.lr}]
     if cfg.joint:
-        groups.append({"params": [p for p in routers.parameters()], "lr": cfg.router_lr})
-    opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
-    ck = Path(out_dir) / "ckpt" if out_dir else None
-    start = 0
-    if ck is not None and (ck / "lora.safetensors").is_file() and (ck / "opt.safetensors").is_file():
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(pm, {k: v.float() for k, v in load_file(str(ck / "lora.safetensors")).items()})
-        if cfg.joint and (ck / "routers.safetensors").is_file():
-            routers.load_state_dict(Routers.load(ck / "routers.safetensors", model).state_dict())
-        start = _load_opt(opt, ck / "opt.safetensors")
-        log(f"resumed stage 2 from {ck} at step {start}")
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.steps))))
-    _fast_forward(sched, start)
-    cost = FlopCost.from_routers(routers)
+        groups.append({"params": list(routers.parameters()), "base_lr": cfg.router_lr, "lr": cfg.router_lr})
+    phase = _stage2_phase(pm, routers, blocks, cfg, out_dir, groups)
     pm.train()
-    it = blocks.batches(cfg.batch_size, cfg.steps, seed=cfg.seed + 1, start=start)
-    t0, hist = time.time(), (_previous_history(out_dir, "stage2.json") if start else [])
-    bar = tqdm(range(start, cfg.steps), desc="stage2", disable=not progress, mininterval=5)
-    for step in bar:
-        ids = next(it).to(device)
-        with torch.no_grad():
-            detach(pm)
-            with pm.disable_adapter():
-                t_logits = pm(input_ids=ids).logits
-            attach(pm, routers)
-        if cfg.joint:
-            with routers.relax(cfg.tau, noise=False), record_masks(pm) as rec:
-                logits = pm(input_ids=ids).logits
-            loss_cap = (relaxed_capacity(routers, rec, cost)["overall"] - routers.cfg.capacity) ** 2
-        else:
-            logits = pm(input_ids=ids).logits
-            loss_cap = logits.new_zeros((), dtype=torch.float32)
-        loss_kd = kd_loss(logits, t_logits)
-        loss_lm = lm_loss(logits, ids) if cfg.lm_weight > 0 else loss_kd.new_zeros(())
-        loss = cfg.kd_weight * loss_kd + cfg.lm_weight * loss_lm + cfg.cap_weight * loss_cap
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-        opt.step()
-        sched.step()
-        hist.append({"step": step + 1, "kd": float(loss_kd.detach()), "lm": float(loss_lm.detach())})
-        bar.set_postfix(kd=f"{float(loss_kd.detach()):.3f}")
-        if ck is not None and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
-            from safetensors.torch import save_file
-
-            ck.mkdir(parents=True, exist_ok=True)
-            save_file(lora_state(pm), str(ck / "lora.safetensors"))
-            if cfg.joint:
-                routers.save(ck / "routers.safetensors")
-            _save_opt(opt, ck / "opt.safetensors", step + 1)
-        if (step + 1) % max(1, cfg.steps // 4) == 0:
-            log(f"  stage2 step {step + 1}/{cfg.steps} kd {float(loss_kd):.4f} lm {float(loss_lm):.3f} "
-                f"[{time.time() - t0:.0f}s]")
-    detach(pm)
+    try:
+        status, st = run_phase(phase, clock, log=log, stop_after=stop_after, progress=progress)
+    finally:
+        detach(pm)
     pm.eval()
     routers.eval()
     routers.requires_grad_(False)
+    routers.train_status, routers.train_state = status, st
+    if status == "paused":
+        return None, routers, None
+    if cfg.joint and cfg.calibrate:
+        calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
+        t = cfg.targets(routers)
+        calibrate_offset_(pm, routers, calib, t["overall"], log=log, target_attn=t.get("attn"),
+                          target_ffn=t.get("ffn"))
     state = lora_state(pm)
     if out_dir:
         save_lora(pm, Path(out_dir) / "lora.safetensors")
         routers.save(Path(out_dir) / "routers.safetensors")
-        (Path(out_dir) / "stage2.json").write_text(json.dumps({"config": asdict(cfg), "history": hist[-50:]}))
+        (Path(out_dir) / "stage2.json").write_text(json.dumps({"config": asdict(cfg), "history": st.curve["train"][-50:],
+                                                               "best_step": st.best_step, "best_ppl": st.best_ppl}))
     for n, p in pm.named_parameters():
         if "lora_" in n:
             p.data = p.data.to(next(base_model.parameters()).dtype)
     merged = pm.merge_and_unload()
     merged.requires_grad_(False)
-    merged.train_history = hist
+    merged.train_history = st.curve["train"]
     return merged, routers, state
 
 
 def main(argv=None):
     import argparse
+    import time
 
+    from .data import TokenBlocks
+    from .options import add_config_args, config_from_args, fast_cuda, real_model_and_tokens, smoke_model_and_tokens
+
+    t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage2",
                                  description="Stage 2: LoRA with fixed (or jointly trained) routers")
     ap.add_argument("--routers", required=True, help="stage-1 routers .safetensors")
@@ -188,32 +275,23 @@ def main(argv=None):
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
     ap.add_argument("--smoke", action="store_true")
-    for k, v in asdict(Stage2Config()).items():
-        if isinstance(v, bool):
-            ap.add_argument(f"--{k.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"), default=v)
-        else:
-            ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    add_config_args(ap, Stage2Config)
     a = ap.parse_args(argv)
-    cfg = Stage2Config(**{k: getattr(a, k) for k in asdict(Stage2Config())})
-    from .data import TokenBlocks, load_tokens
-
+    cfg = config_from_args(a, Stage2Config, skip=())
     if a.smoke:
-        import numpy as np
-
-        from ..models import tiny_model
-
-        model = tiny_model("smollm2").to(a.device)
-        toks = np.random.default_rng(0).integers(0, 128, 20000)
-        cfg.steps, cfg.seq_len, cfg.batch_size = min(cfg.steps, 10), 64, 4
+        model, toks = smoke_model_and_tokens(a.device)
+        cfg.steps, cfg.seq_len, cfg.batch_size, cfg.epochs = min(cfg.steps, 10), 64, 4, 0
     else:
-        from ..models import load_smollm2
-
-        dt = torch.bfloat16 if str(a.device).startswith("cuda") else torch.float32
-        model, tok = load_smollm2(dtype=dt, device=a.device, gguf_path=a.gguf)
-        toks = load_tokens(tok, a.data, a.tokens)
+        fast_cuda()
+        model, toks = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens)
     routers = Routers.load(a.routers, model)
     blocks = TokenBlocks(toks, cfg.seq_len)
-    train_stage2(model, routers, blocks, cfg, out_dir=a.out)
+    clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
+    merged, r, _ = train_stage2(model, routers, blocks, cfg, out_dir=a.out, clock=clock)
+    if merged is None:
+        return 75
     print(json.dumps({"lora": str(Path(a.out) / "lora.safetensors")}))
     return 0

@@ -1,0 +1,124 @@
+"""Capacity calibration: shift learned routers' execute margins so the deterministic (inference) capacity on
+real tokens hits a target.
+
+* `calibrate_groups_`: per group, the bias shift that gives every group the uniform on-rate of the target
+  (for random-weight benchmark routers).
+* `calibrate_offset_`: one offset per router kind (attention, FFN) found by bisection, so each kind's
+  deterministic capacity equals its target (for trained routers, after training).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .attach import record_logits, record_masks, routed
+from .capacity import FlopCost
+from .measure import capacity_from_record
+
+
+def learned_routers(routers, kind: str | None = None) -> list:
+    """The routers that have a margin bias to shift (GroupRouter, PairRouter) of `kind` ("attn" / "ffn" /
+    None: both)."""
+    kinds = ("attn", "ffn") if kind is None else (kind,)
+    return [r for k in kinds for r in getattr(routers, k) if hasattr(r, "margin_bias")]
+
+
+@torch.no_grad()
+def calibrate_groups_(routers, model, input_ids: torch.Tensor, capacity: float | None = None,
+                      attention_mask: torch.Tensor | None = None):
+    """Set router biases so every group's on-rate on these tokens is the uniform rate that gives `capacity`
+    (default cfg.capacity). Used for random-weight benchmark models; trained routers should not need it.
+    Returns `routers`."""
+    cap = routers.cfg.capacity if capacity is None else capacity
+    rate = FlopCost.from_routers(routers).uniform_rate(cap)
+    with routed(model, routers), record_logits(model) as rec:  # these routers, whatever was attached
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    valid = None if attention_mask is None else attention_mask.bool().reshape(-1)
+    for kind in ("attn", "ffn"):
+        for i, r in enumerate(getattr(routers, kind)):
+            if not hasattr(r, "margin_bias"):
+                raise ValueError("calibrate_ needs learned (GroupRouter / PairRouter) routers")
+            lg = rec[kind][i].reshape(-1, r.groups).float()
+            if valid is not None:
+                lg = lg[valid]
+            # per group: shift so that a fraction `rate` of tokens has logit > 0
+            q = torch.quantile(lg, 1.0 - rate, dim=0) if rate < 1 else lg.min(0).values - 1.0
+            bias = r.margin_bias()
+            bias -= q.to(bias.dtype)
+    return routers
+
+
+def _autocast(device, enabled: bool):
+    if enabled and torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def deterministic_capacity(model, routers, blocks: torch.Tensor, batch_size: int = 8, amp: bool = False) -> dict:
+    """Hard-decision capacity of `routers` on `blocks` [N, S] (all real tokens), as measure_capacity."""
+    dev = next(model.parameters()).device
+    L = routers.spec.num_layers
+    recs = {"attn": [[] for _ in range(L)], "ffn": [[] for _ in range(L)]}
+    with routed(model, routers):  # these routers, whatever was attached before
+        for i in range(0, len(blocks), batch_size):
+            with record_masks(model) as rec, _autocast(dev, amp):
+                model(input_ids=blocks[i:i + batch_size].to(dev))
+            for k in ("attn", "ffn"):
+                for j in range(L):
+                    recs[k][j] += [m.float().mean(-1).reshape(-1, 1) for m in rec[k][j]]
+    return capacity_from_record(routers, recs)
+
+
+@torch.no_grad()
+def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int) -> tuple[float, float, float]:
+    """Offset o added to the margin biases of `rs` so that measure() == target (monotone non-decreasing
+    in o). Returns (offset, capacity before, capacity after)."""
+    base = [r.margin_bias().detach().clone() for r in rs]
+
+    def set_off(o):
+        for r, b in zip(rs, base):
+            r.margin_bias().copy_(b + o)
+
+    cap0 = cap = measure()
+    if abs(cap0 - target) <= tol:
+        return 0.0, cap0, cap0
+    lo, hi, off = -12.0, 12.0, 0.0
+    for _ in range(iters):
+        off = 0.5 * (lo + hi)
+        set_off(off)
+        cap = measure()
+        if abs(cap - target) <= tol:
+            break
+        if cap > target:
+            hi = off
+        else:
+            lo = off
+    return off, cap0, cap
+
+
+@torch.no_grad()
+def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: float = 0.003, iters: int = 18,
+                      amp: bool = False, log=print, target_attn: float | None = None,
+                      target_ffn: float | None = None, batch_size: int = 8) -> float | dict:
+    """Shift the learned routers' margins so the deterministic capacity on `blocks` equals the targets.
+
+    Without per-kind targets: one global offset for every router, overall capacity == `target` (returns the
+    offset). With target_attn / target_ffn: the attention routers' offset brings the attention capacity to
+    target_attn, then the FFN routers' offset the FFN capacity to target_ffn (returns {"attn", "ffn"})."""
+    def measure(key):
+        return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
+
+    if target_attn is None and target_ffn is None:
+        off, c0, c1 = _bisect_offset(learned_routers(routers), measure("overall"), target, tol, iters)
+        if off:
+            log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target})")
+        return off
+    out = {}
+    for kind, tgt in (("attn", target_attn), ("ffn", target_ffn)):
+        tgt = target if tgt is None else tgt
+        off, c0, c1 = _bisect_offset(learned_routers(routers, kind), measure(kind), tgt, tol, iters)
+        log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt})")
+        out[kind] = off
+    return out

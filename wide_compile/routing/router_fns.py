@@ -1,0 +1,74 @@
+"""The router maths, once: plain functions of (h, *tensors) that a router module's forward calls and that
+the form-B pass (passes/insert_routers) inserts into a dense graph as they are.
+
+`*_logits` return float32 logits [..., G] (execute iff > 0); `*_mask` return the hard bool mask [..., G].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_logits(h, w, b):
+    # h: [..., D], w: [G, D], b: [G]
+    return F.linear(h.to(w.dtype), w, b)
+
+
+def linear_router_mask(h, w, b):
+    return linear_logits(h, w, b) > 0
+
+
+def split_logits(h: torch.Tensor, w2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Logits of a linear router held as a bf16 pair (routers.split_bf16), for bf16 inputs: one tensor-core
+    GEMM h @ [hi; lo]^T with fp32 accumulation and fp32 output (aten::mm.dtype on CUDA), then hi + lo in
+    fp32. A product of two bf16 values is exact in fp32, so this is the fp32 router up to summation order and
+    the 2^-16 weight split, at bf16 GEMM speed (fp32 routers run without tensor cores)."""
+    G = w2.shape[0] // 2
+    x = h.reshape(-1, h.shape[-1])
+    if x.is_cuda:
+        y = torch.mm(x, w2.t(), out_dtype=torch.float32)
+    else:  # the same arithmetic where mm.dtype has no kernel (CPU)
+        y = x.float() @ w2.float().t()
+    out = y.narrow(1, 0, G) + y.narrow(1, G, G)
+    if b is not None:
+        out = out + b.float()
+    return out.reshape(*h.shape[:-1], G)
+
+
+def split_router_mask(h, w2, b):
+    return split_logits(h, w2, b) > 0
+
+
+def mlp_logits(h, w1, b1, w2, b2):
+    # h: [..., D] -> silu([..., hidden]) -> [..., G]
+    return F.linear(F.silu(F.linear(h.to(w1.dtype), w1, b1)), w2, b2)
+
+
+def mlp_router_mask(h, w1, b1, w2, b2):
+    return mlp_logits(h, w1, b1, w2, b2) > 0
+
+
+def pair_logits(h, w_down, b_down, w_up, b_up):
+    """The "wide" recipe's logit pairs: h [..., D] -> [..., r] -> [..., G, 2] with (skip, execute) last."""
+    z = F.linear(F.linear(h.to(w_down.dtype), w_down, b_down), w_up, b_up)
+    return z.unflatten(-1, (-1, 2))
+
+
+def pair_margin(h, w_down, b_down, w_up, b_up):
+    """logit_exec - logit_skip [..., G]: execute iff > 0 (the argmax of the pair, deterministic)."""
+    z = pair_logits(h, w_down, b_down, w_up, b_up)
+    return z[..., 1] - z[..., 0]
+
+
+def pair_router_mask(h, w_down, b_down, w_up, b_up):
+    return pair_margin(h, w_down, b_down, w_up, b_up) > 0
+
+
+def constant_router_mask(h, mask):
+    # mask: [G] bool -> [..., G] for every token of h
+    return mask.expand(*h.shape[:-1], mask.shape[-1])
+
+
+def replay_router_mask(h, mask):
+    # mask: [..., T, G] recorded for exactly h's token shape
+    return mask.view(*h.shape[:-1], mask.shape[-1])

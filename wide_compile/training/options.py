@@ -1,0 +1,78 @@
+"""Command-line options generated from the stage config dataclasses (one flag per field, default shown),
+and the model / token loading the commands share."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+import numpy as np
+import torch
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.lower()
+    if v not in ("1", "0", "true", "false", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+    return v in ("1", "true", "yes")
+
+
+def _optional_float(s: str):
+    return None if s.lower() in ("none", "") else float(s)
+
+
+def _int_or_kv(s: str):
+    return s if s == "kv" else int(s)
+
+
+def add_config_args(ap: argparse.ArgumentParser, cls, prefix: str = "", skip=("extra",), defaults=None) -> None:
+    """One --{prefix}{field} flag per field of dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = defaults.get(f.name, f.default)
+        hint = str(hints[f.name])
+        if hints[f.name] is bool:
+            typ = _parse_bool
+        elif "str" in hint and "int" in hint:
+            typ = _int_or_kv
+        elif "None" in hint and "float" in hint:
+            typ = _optional_float
+        else:
+            typ = hints[f.name]
+        ap.add_argument(f"--{prefix}{f.name.replace('_', '-')}", type=typ, default=default, dest=prefix.replace("-", "_") + f.name,
+                        help=f"(default {default})")
+
+
+def config_from_args(a: argparse.Namespace, cls, prefix: str = "", skip=("extra",), base: dict | None = None):
+    kw = dict(base or {})
+    kw.update({f.name: getattr(a, prefix.replace("-", "_") + f.name) for f in dataclasses.fields(cls)
+               if f.name not in skip})
+    return cls(**kw)
+
+
+def smoke_model_and_tokens(device, n_tokens: int = 40000, seed: int = 0):
+    """A tiny random SmolLM2-shaped model and random tokens: the CPU check of the commands."""
+    from ..models import tiny_model
+
+    model = tiny_model("smollm2", seed=seed).to(device)
+    toks = np.random.default_rng(seed).integers(0, model.config.vocab_size, n_tokens)
+    return model, toks
+
+
+def real_model_and_tokens(device, gguf=None, data=None, tokens=None):
+    """SmolLM2-135M (bf16 on CUDA, fp32 on CPU) and the training token stream (training/data.py)."""
+    from ..models import load_smollm2
+    from .data import load_tokens
+
+    dt = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    model, tok = load_smollm2(dtype=dt, device=device, gguf_path=gguf)
+    return model, load_tokens(tok, data, tokens)
+
+
+def fast_cuda() -> None:
+    """TF32 matmuls / convolutions where fp32 remains (router and LoRA maths under autocast run bf16)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
