@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ._graph import is_call, is_mul, last_dim, meta, static_rows
-from .manager import Pass, PassContext, log
+from .base import Pass, PassContext, log
 
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as"}
 _CAST_FNS = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float}

@@ -14,20 +14,15 @@ from torch import fx
 
 from ..config import GroupGeometry
 from ._graph import is_linear, linear_parts, match_group_mask
-# re-exported: insert_routers (and older callers) still import these names from here
-from .base import (AttnMatch, GraphReport, MLPMatch, Pass, PassContext, WideFallbackWarning,  # noqa: F401
-                   counters, log, op_counts)
+from .base import Pass, PassContext, counters, log, op_counts
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
+from .insert_routers import InsertRouters
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 
 
 def default_passes() -> list[Pass]:
-    # insert_routers still imports its base types from this module (re-exported above); importing it here,
-    # not at the top, keeps that import order-independent until it imports them from base.py
-    from .insert_routers import InsertRouters
-
     return [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention()]
 
 
