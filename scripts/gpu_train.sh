@@ -20,7 +20,8 @@ export WIDE_SMOLLM2_GGUF=$C/SmolLM2-135M-Instruct.Q4_1.gguf WIDE_CACHE_DIR=$C/hf
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 
 step() {
-  case "$1" in
+  local name=$1; shift
+  case "$name" in
   setup1)  # GGUF part 1 and the wheels
     cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl ;;
   kernel_tests)  # the Triton kernel tests compiled on CUDA (not the interpreter)
@@ -47,7 +48,7 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
       --batch-size 32 --out "$C/runs/c$cap/quality" "$@" 2>&1 | tail -12 ;;
   pack)  # pack CAP: the run folder without its resume checkpoints, as one file under $OUT
     tar czf "$OUT/run-c$1.tgz" -C "$C/runs" --exclude=ckpt "c$1" && ls -la "$OUT" ;;
-  *) echo "unknown step $1"; return 2 ;;
+  *) echo "unknown step $name"; return 2 ;;
   esac
 }
 step "$@"
