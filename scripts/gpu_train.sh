@@ -11,7 +11,8 @@
 #   1. carry [.gguf/p1, .whl]            setup1 [kernel_tests]
 #   2. carry [.gguf/p2, .data/wikitext-2] setup2
 #   3. carry [.data/p1, .data/p2]        setup3; train CAP DEADLINE_S [recipe flags...]
-#   4. ...                               train CAP DEADLINE_S (resumes); quality CAP; pack CAP
+#   4. ...                               train CAP DEADLINE_S (resumes); quality CAP; pack CAP (the run's
+#                                        results, without resume checkpoints, in one file under $OUT)
 set -uo pipefail
 C=/root/wcache
 mkdir -p "$C" "${OUT:=out}"
@@ -46,8 +47,9 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
     python3 -m wide_compile.eval quality --routers "$C/runs/c$cap/routers.safetensors" \
       --lora "$C/runs/c$cap/lora.safetensors" --metrics ppl,positions,generation --dtype float32 \
       --batch-size 32 --out "$C/runs/c$cap/quality" "$@" 2>&1 | tail -12 ;;
-  pack)  # pack CAP: the run folder without its resume checkpoints, as one file under $OUT
-    tar czf "$OUT/run-c$1.tgz" -C "$C/runs" --exclude=ckpt "c$1" && ls -la "$OUT" ;;
+  pack)  # pack CAP: the run's routers, LoRA, summary, curves and quality records in one file under $OUT
+    (cd "$C/runs" && tar czf "$OUT/run-c$1.tgz" "c$1"/routers.safetensors "c$1"/lora.safetensors "c$1"/summary.json \
+      "c$1"/stage*/curve.* "c$1"/stage*/stage*.json $(ls -d "c$1"/quality 2>/dev/null)) && ls -la "$OUT" ;;
   *) echo "unknown step $name"; return 2 ;;
   esac
 }
