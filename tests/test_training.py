@@ -205,7 +205,7 @@ def test_early_stopping_keeps_the_best_routers(tmp_path, monkeypatch):
     ppl = iter([5.0, 4.0, 4.5, 4.6, 4.7, 9.0, 9.0, 9.0])
     snapshots = {}
 
-    def fake_call(self):
+    def fake_call(self, eligible=True):
         snapshots[len(snapshots)] = {k: v.clone() for k, v in self.routers.state_dict().items()}
         return {"ppl": next(ppl), "cap": 0.5, "attn": 0.5, "ffn": 0.5, "dense_ppl": 3.0}
 

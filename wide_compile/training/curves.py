@@ -39,14 +39,16 @@ def plot_curve(curve: dict, path, title: str = "") -> Path:
         if train and key in train[0]:
             ax_l.plot(tok, [r[key] for r in train], label=key)
     ax_l.set(xlabel="tokens seen (M)", ylabel="loss", title="training loss")
-    ax_l.legend()
+    if train:
+        ax_l.legend()
     for key in ("cap", "attn", "ffn"):
         if train and key in train[0]:
             ax_c.plot(tok, [r[key] for r in train], label={"cap": "overall"}.get(key, key))
     if train and "target" in train[0]:
         ax_c.plot(tok, [r["target"] for r in train], "k--", lw=0.8, label="target (overall)")
     ax_c.set(xlabel="tokens seen (M)", ylabel="capacity (relaxed, FLOP-weighted)", title="capacity and tau")
-    ax_c.legend(loc="upper right")
+    if train:
+        ax_c.legend(loc="upper right")
     if train and "tau" in train[0]:
         ax_t = ax_c.twinx()
         ax_t.plot(tok, [r["tau"] for r in train], color="grey", lw=0.8)

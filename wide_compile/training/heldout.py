@@ -62,13 +62,15 @@ class HeldoutEval:
                 self._dense = perplexity(self.model, self.evalb, self.batch_size)
         return self._dense
 
-    def __call__(self) -> dict:
+    def __call__(self, eligible: bool = True) -> dict:
+        """eligible=False (e.g. while the capacity target still ramps): measure at the routers' own
+        deterministic capacity, without calibrating."""
         # the routers may be a submodule of the model (attach) in another mode than it (stage 1 trains them
         # inside a frozen eval-mode model): restore both modes, or the training noise would stop here
         was_training, routers_training = self.model.training, self.routers.training
         self.model.eval()
         r = copy.deepcopy(self.routers).eval()
-        if self.calibrated:
+        if self.calibrated and eligible:
             calibrate_offset_(self.model, r, self.calib, self.targets["overall"], log=lambda *_: None,
                               target_attn=self.targets.get("attn"), target_ffn=self.targets.get("ffn"),
                               batch_size=len(self.calib))  # one forward per bisection step

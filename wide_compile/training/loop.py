@@ -42,7 +42,7 @@ class Phase:
     batches: Callable[[int], "object"]  # start step -> iterator of id batches
     step_fn: Callable
     schedule: Callable[[int], dict]
-    evaluate: Callable[[], dict]
+    evaluate: Callable[[bool], dict]
     trainables: Callable[[], dict]
     load_trainables: Callable[[dict], None]
     optimizer: torch.optim.Optimizer
@@ -256,10 +256,11 @@ def _train(phase: Phase, st: LoopState, ck: Checkpoint, clock: Clock, log, stop_
 def _evaluate(phase: Phase, st: LoopState, ck: Checkpoint, clock: Clock, log) -> bool:
     """One held-out evaluation; updates best / patience. Returns True when patience is exhausted."""
     t0 = time.time()
-    ev = phase.evaluate()
-    clock.eval_s = Clock.ema(clock.eval_s, time.time() - t0)
-    rec = {"step": st.step, "tokens": st.step * phase.tokens_per_step, **ev, "best": False}
-    ok = phase.eligible(st.step - 1) and math.isfinite(ev["ppl"])
+    eligible = phase.eligible(st.step - 1)
+    ev = phase.evaluate(eligible)
+    clock.eval_s = max(clock.eval_s, time.time() - t0)  # the eligible (calibrated) ones cost the most
+    rec = {"step": st.step, "tokens": st.step * phase.tokens_per_step, **ev, "best": False, "eligible": eligible}
+    ok = eligible and math.isfinite(ev["ppl"])
     if ok and (st.best_ppl is None or ev["ppl"] < st.best_ppl):
         st.best_ppl, st.best_step, st.bad_evals = ev["ppl"], st.step, 0
         rec["best"] = True
