@@ -41,11 +41,23 @@
 #   e2e_smollm2            needs setup: SmolLM2 with its shipped routers (E2E_PHASES, E2E_PREFILL_*, E2E_DECODE_*)
 #   train                  needs setup (+ .data/tok/train_tokens_6m.npz carried): scripts/gpu_smollm2.sh, the
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
+#   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
+#   tokens                 the train-text token cache, carried as halves .data/p1/a.npy.gz, .data/p2/b.npy.gz
+#                          (python -m wide_compile.training.data, then split; too large for one carry beside
+#                          a GGUF part), joined into /root/wcache/tokens.npy
+#   recipe                 needs setup + tokens: `python -m wide_compile.training recipe` for CAP (default 0.5)
+#                          into /root/wcache/runs/$RUN (default c$CAP), paused before DEADLINE_S seconds
+#                          (default 530; re-run to continue); RECIPE_ARGS are its other options
+#   quality                needs setup: `wide eval quality` (fp32) on that run's routers + LoRA; QUALITY_ARGS
+#   pack                   that run's routers, LoRA, summary, curves and quality records as $OUT/run-$RUN.tgz
 set -uo pipefail
 C=/root/wcache
 mkdir -p "$C" "${OUT:=out}"
 export PYTHONPATH=$PWD:$C/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export WIDE_SMOLLM2_GGUF=$C/SmolLM2-135M-Instruct.Q4_1.gguf WIDE_CACHE_DIR=$C/hf HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+export WIDE_DATA_DIR=$C/data
+CAP=${CAP:-0.5}
+RUN=${RUN:-c$CAP}
 
 # e2e LOG_NAME TIMEOUT_S ARGS...: bench_e2e.py under a timeout, its budget 30 s inside it, the log's summary lines
 e2e() {
@@ -66,7 +78,8 @@ step() {
     [ -d .data/eval ] && cp -r .data/eval "$C"/eval; true ;;
   setup2)
     cp .gguf/p[23]/* "$C"/ 2>/dev/null; cat "$C"/part.a? > "$WIDE_SMOLLM2_GGUF" &&
-      sha256sum "$WIDE_SMOLLM2_GGUF" | grep -q '^b179c952' && echo "GGUF ok" ;;
+      sha256sum "$WIDE_SMOLLM2_GGUF" | grep -q '^b179c952' && echo "GGUF ok"
+    [ -d .data/wikitext-2 ] && mkdir -p "$C/data" && cp -r .data/wikitext-2 "$C/data/"; true ;;
   check_replay|check_tiny)  # each case runs in its own process: a crash or hang is that case's failure
     local only=replay: name=replay
     [ "$1" = check_tiny ] && only=tiny: name=tiny
@@ -135,6 +148,26 @@ step() {
       --variants eager inductor inductor_cg static wide wide_eager "${SHORT[@]}" --name e2e-h200-smollm2 ;;
   train)
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh ${TRAIN_ARGS:-} ;;
+  kernel_tests)
+    TRITON_INTERPRET=0 timeout "${KT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
+      2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
+  tokens)
+    python3 -c "
+import gzip, numpy as np
+a = [np.load(gzip.open(p)) for p in ('.data/p1/a.npy.gz', '.data/p2/b.npy.gz')]
+np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in a))" ;;
+  recipe)  # exit 75 = paused at the deadline
+    python3 -m wide_compile.training recipe --capacity "$CAP" --out "$C/runs/$RUN" --tokens "$C/tokens.npy" \
+      --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-530}" ${RECIPE_ARGS:-} 2>&1 |
+      tee -a "$OUT/train-$RUN.log" | grep -v "^\s*$" | tail -25
+    return "${PIPESTATUS[0]}" ;;
+  quality)
+    python3 -m wide_compile.eval quality --routers "$C/runs/$RUN/routers.safetensors" \
+      --lora "$C/runs/$RUN/lora.safetensors" --metrics ppl,positions,generation --dtype float32 \
+      --batch-size 32 --out "$C/runs/$RUN/quality" ${QUALITY_ARGS:-} 2>&1 | tail -12 ;;
+  pack)
+    (cd "$C/runs" && tar czf "$OUT/run-$RUN.tgz" "$RUN"/routers.safetensors "$RUN"/lora.safetensors "$RUN"/summary.json \
+      "$RUN"/stage*/curve.* "$RUN"/stage*/stage*.json $(ls -d "$RUN"/quality 2>/dev/null)) && ls -la "$OUT" ;;
   *) echo "unknown step $1 (the list is at the top of scripts/gpu_calls.sh)"; return 2 ;;
   esac
 }
