@@ -32,8 +32,19 @@ def counters() -> Counter:
     return c["wide"]
 
 
+class _BlockForm:
+    """A detected block's form: "masked" when the traced graph holds its mask multiplies (routers attached),
+    "dense" when the pass has to insert routers."""
+
+    expand_nodes: list
+
+    @property
+    def form(self) -> str:
+        return "masked" if self.expand_nodes else "dense"
+
+
 @dataclass
-class MLPMatch:
+class MLPMatch(_BlockForm):
     x: fx.Node
     gate: fx.Node
     up: fx.Node
@@ -48,13 +59,9 @@ class MLPMatch:
     status: str = "detected"            # detected | routed | rewritten | fallback
     reason: str = ""
 
-    @property
-    def form(self) -> str:
-        return "masked" if self.expand_nodes else "dense"
-
 
 @dataclass
-class AttnMatch:
+class AttnMatch(_BlockForm):
     x: fx.Node
     q: fx.Node
     kv: list
@@ -70,10 +77,6 @@ class AttnMatch:
     layer: int = -1
     status: str = "detected"
     reason: str = ""
-
-    @property
-    def form(self) -> str:
-        return "masked" if self.expand_nodes else "dense"
 
 
 @dataclass
