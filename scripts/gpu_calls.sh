@@ -47,9 +47,13 @@
 #                          a GGUF part), joined into /root/wcache/tokens.npy
 #   recipe                 needs setup + tokens: `python -m wide_compile.training recipe` for CAP (default 0.5)
 #                          into /root/wcache/runs/$RUN (default c$CAP), paused before DEADLINE_S seconds
-#                          (default 530; re-run to continue); RECIPE_ARGS are its other options
-#   quality                needs setup: `wide eval quality` (fp32) on that run's routers + LoRA; QUALITY_ARGS
-#   pack                   that run's routers, LoRA, summary, curves and quality records as $OUT/run-$RUN.tgz
+#                          (default 530; re-run to continue); RECIPE_ARGS are its other options.
+#                          RUNS='NAME CAP [ARGS...]; NAME CAP [ARGS...]' runs several at once instead (one
+#                          process each, sharing the GPU; each entry's ARGS replace RECIPE_ARGS)
+#   quality                needs setup: `wide eval quality` (fp32) on that run's routers + LoRA (each of RUNS
+#                          at once); QUALITY_ARGS
+#   pack                   that run's (RUNS': all) routers, LoRA, summary, curves and quality records as
+#                          $OUT/run-NAME.tgz
 set -uo pipefail
 C=/root/wcache
 mkdir -p "$C" "${OUT:=out}"
@@ -70,6 +74,34 @@ e2e() {
 SHORT=(--target-s 0.3 --rounds 3 --no-budget-split)
 GOAL_ROWS=(--models llama-3.1-8b --capacities 0.5 --masks random --prefill-tokens 2048 --prefill-batch 1
            --decode-ctx 1024 --decode-batch 1)
+
+# one_recipe NAME CAP ARGS...: one training run (exit 75 = paused at the deadline)
+one_recipe() {
+  local name=$1 cap=$2; shift 2
+  python3 -m wide_compile.training recipe --capacity "$cap" --out "$C/runs/$name" --tokens "$C/tokens.npy" \
+    --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-530}" "$@" >> "$OUT/train-$name.log" 2>&1
+  local rc=$?; grep -v "^\s*$" "$OUT/train-$name.log" | tail -6 | sed "s/^/[$name] /"; return $rc
+}
+
+# one_quality NAME [CAP ARGS...]: `wide eval quality` on one run's routers + LoRA
+one_quality() {
+  python3 -m wide_compile.eval quality --routers "$C/runs/$1/routers.safetensors" \
+    --lora "$C/runs/$1/lora.safetensors" --metrics ppl,positions,generation --dtype float32 \
+    --batch-size 32 --out "$C/runs/$1/quality" ${QUALITY_ARGS:-} > "$OUT/quality-$1.log" 2>&1
+  local rc=$?; tail -8 "$OUT/quality-$1.log" | sed "s/^/[$1] /"; return $rc
+}
+
+# each_run FN: FN NAME CAP ARGS... for every entry of RUNS at once; fails if any failed (75 if one paused)
+each_run() {
+  local pids=() rc=0 entry
+  while read -r entry; do
+    [ -z "${entry// }" ] && continue
+    # shellcheck disable=SC2086
+    "$1" $entry & pids+=($!)
+  done < <(echo "$RUNS" | tr ';' '\n')
+  for p in "${pids[@]}"; do wait "$p" || { r=$?; [ $rc -eq 0 ] || [ $r -ne 75 ] && rc=$r; }; done
+  return $rc
+}
 
 step() {
   case "$1" in
@@ -157,17 +189,18 @@ import gzip, numpy as np
 a = [np.load(gzip.open(p)) for p in ('.data/p1/a.npy.gz', '.data/p2/b.npy.gz')]
 np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in a))" ;;
   recipe)  # exit 75 = paused at the deadline
-    python3 -m wide_compile.training recipe --capacity "$CAP" --out "$C/runs/$RUN" --tokens "$C/tokens.npy" \
-      --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-530}" ${RECIPE_ARGS:-} 2>&1 |
-      tee -a "$OUT/train-$RUN.log" | grep -v "^\s*$" | tail -25
-    return "${PIPESTATUS[0]}" ;;
+    if [ -z "${RUNS:-}" ]; then one_recipe "$RUN" "$CAP" ${RECIPE_ARGS:-}; return; fi
+    each_run one_recipe ;;
   quality)
-    python3 -m wide_compile.eval quality --routers "$C/runs/$RUN/routers.safetensors" \
-      --lora "$C/runs/$RUN/lora.safetensors" --metrics ppl,positions,generation --dtype float32 \
-      --batch-size 32 --out "$C/runs/$RUN/quality" ${QUALITY_ARGS:-} 2>&1 | tail -12 ;;
+    if [ -z "${RUNS:-}" ]; then one_quality "$RUN"; return; fi
+    each_run one_quality ;;
   pack)
-    (cd "$C/runs" && tar czf "$OUT/run-$RUN.tgz" "$RUN"/routers.safetensors "$RUN"/lora.safetensors "$RUN"/summary.json \
-      "$RUN"/stage*/curve.* "$RUN"/stage*/stage*.json $(ls -d "$RUN"/quality 2>/dev/null)) && ls -la "$OUT" ;;
+    local runs=$RUN
+    [ -n "${RUNS:-}" ] && runs=$(echo "$RUNS" | tr ';' '\n' | awk 'NF {print $1}')
+    for r in $runs; do
+      (cd "$C/runs" && tar czf "$OUT/run-$r.tgz" "$r"/routers.safetensors "$r"/lora.safetensors "$r"/summary.json \
+        "$r"/stage*/curve.* "$r"/stage*/stage*.json $(ls -d "$r"/quality 2>/dev/null))
+    done; ls -la "$OUT" ;;
   *) echo "unknown step $1 (the list is at the top of scripts/gpu_calls.sh)"; return 2 ;;
   esac
 }

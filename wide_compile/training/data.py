@@ -73,16 +73,27 @@ def tokenize_corpus(tok, files: list[Path], max_tokens: int | None = None, seed:
 
 
 class TokenBlocks:
-    """Fixed-length blocks of a token stream, split into train / held-out."""
+    """Fixed-length blocks of a token stream, split into train / held-out. With `chat` (training/chat.py) a
+    seeded `chat_frac` of the train blocks is laid out as chat exchanges; the held-out blocks stay plain
+    text, so held-out perplexity means the same with and without."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, heldout_frac: float = 0.02):
+    def __init__(self, tokens: np.ndarray, seq_len: int, heldout_frac: float = 0.02, chat=None,
+                 chat_frac: float = 0.0, seed: int = 0):
         tokens = np.asarray(tokens)
         nblk = len(tokens) // seq_len
         if nblk < 2:
             raise ValueError(f"only {len(tokens)} tokens: need at least 2 blocks of {seq_len}")
-        blocks = torch.from_numpy(tokens[: nblk * seq_len].astype(np.int64)).view(nblk, seq_len)
+        blocks = tokens[: nblk * seq_len].astype(np.int64).reshape(nblk, seq_len)
         nh = max(1, int(round(nblk * heldout_frac)))
-        self.train, self.heldout, self.seq_len = blocks[:-nh], blocks[-nh:], seq_len
+        train, self.chat_rows = blocks[:-nh], np.zeros(0, np.int64)
+        if chat_frac > 0:
+            if chat is None:
+                raise ValueError("chat_frac > 0 needs a ChatFormat (training/chat.py) for the model's template")
+            from .chat import wrap_blocks
+
+            train, self.chat_rows = wrap_blocks(train, chat, chat_frac, seed=seed)
+        self.train, self.heldout = torch.from_numpy(train), torch.from_numpy(blocks[-nh:])
+        self.seq_len = seq_len
 
     def batches(self, batch_size: int, steps: int, seed: int = 0, start: int = 0) -> Iterator[torch.Tensor]:
         """`steps` batches (seeded; epoch-wise permutation), skipping the first `start` (for resuming)."""

@@ -62,14 +62,26 @@ def smoke_model_and_tokens(device, n_tokens: int = 40000, seed: int = 0):
     return model, toks
 
 
-def real_model_and_tokens(device, gguf=None, data=None, tokens=None):
-    """SmolLM2-135M (bf16 on CUDA, fp32 on CPU) and the training token stream (training/data.py)."""
+def smoke_chat_format(model):
+    """A ChatFormat of fixed token ids inside the tiny model's vocabulary (the smoke run has no tokenizer)."""
+    from .chat import ChatFormat
+
+    v = model.config.vocab_size
+    return ChatFormat(first_user=(v - 1, 5, 6, v - 2, v - 1, 7), to_assistant=(v - 2, v - 1, 8),
+                      to_user=(v - 2, v - 1, 7), instructions=((9, 10), ()), user_tokens=(2, 6),
+                      assistant_tokens=(4, 20))
+
+
+def real_model_and_tokens(device, gguf=None, data=None, tokens=None, with_tokenizer: bool = False):
+    """SmolLM2-135M (bf16 on CUDA, fp32 on CPU) and the training token stream (training/data.py);
+    with_tokenizer: (model, tokens, tokenizer)."""
     from ..models import load_smollm2
     from .data import load_tokens
 
     dt = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model, tok = load_smollm2(dtype=dt, device=device, gguf_path=gguf)
-    return model, load_tokens(tok, data, tokens)
+    toks = load_tokens(tok, data, tokens)
+    return (model, toks, tok) if with_tokenizer else (model, toks)
 
 
 def fast_cuda() -> None:

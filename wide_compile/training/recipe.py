@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .chat import ChatFormat
 from .loop import Clock
 from .stage1 import RECIPE_DEFAULTS as S1_RECIPE, Stage1Config, train_stage1
 from .stage2 import RECIPE_DEFAULTS as S2_RECIPE, Stage2Config, train_stage2
@@ -27,8 +28,10 @@ from .stage2 import RECIPE_DEFAULTS as S2_RECIPE, Stage2Config, train_stage2
 PAUSED = 75
 # sized for SmolLM2-135M on one large GPU: 64 x 512 = 32k tokens per step
 GPU_DEFAULTS = {"batch_size": 64, "seq_len": 512, "amp": True, "patience": 3, "ckpt_every": 50}
-S1_GPU = {**GPU_DEFAULTS, "epochs": 1.0}
-S2_GPU = {**GPU_DEFAULTS, "epochs": 0.5}
+S1_GPU = {**GPU_DEFAULTS, "epochs": 0.75}
+S2_GPU = {**GPU_DEFAULTS, "epochs": 1.0, "rank": 16, "alpha": 32}
+CHAT_FRAC_GPU = 0.25  # share of train blocks laid out as chat turns (training/chat.py)
+BASELINES = ("none", "skipgpt", "static")
 # the CPU check: a tiny random model, tiny blocks, a few hundred steps in all
 SMOKE = {"batch_size": 4, "seq_len": 64, "amp": False, "patience": 0, "ckpt_every": 20, "log_every": 5,
          "eval_blocks": 8, "calib_blocks": 8}
@@ -49,6 +52,12 @@ def _parser(recipe: str, smoke: bool) -> argparse.ArgumentParser:
     ap.add_argument("--capacity-ffn", type=float, default=None, help="FFN target (default: --capacity)")
     ap.add_argument("--ffn-group-size", type=int, default=64)
     ap.add_argument("--head-group-size", default="1", help="query heads per router bit, or 'kv' (one KV group)")
+    ap.add_argument("--baseline", choices=BASELINES, default="none",
+                    help="skipgpt: one group per module (whole attention / MLP per token), same training; "
+                         "static: token-independent Wanda-sp pruning (eval/baselines.py) instead of stage 1, "
+                         "then stage 2 with the masks fixed")
+    ap.add_argument("--chat-frac", type=float, default=0.0 if smoke else CHAT_FRAC_GPU,
+                    help="share of train blocks laid out as chat-template turns (training/chat.py)")
     ap.add_argument("--batch-size", type=int, default=None, help="both stages (default: per stage)")
     ap.add_argument("--seq-len", type=int, default=None, help="both stages (default: per stage)")
     ap.add_argument("--s1-only", action="store_true", help="stop after stage 1")
@@ -103,26 +112,31 @@ def run(a: argparse.Namespace, log=print) -> int:
     """The whole recipe for one capacity; returns 0 (done) or PAUSED."""
     t_start = time.time()
     from .data import TokenBlocks
-    from .options import fast_cuda, real_model_and_tokens, smoke_model_and_tokens
+    from .options import fast_cuda, real_model_and_tokens, smoke_chat_format, smoke_model_and_tokens
 
     if a.smoke:
         model, toks = smoke_model_and_tokens(a.device)
+        chat = smoke_chat_format(model) if a.chat_frac > 0 else None
     else:
         fast_cuda()
-        model, toks = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens)
+        model, toks, tok = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens, with_tokenizer=True)
+        chat = ChatFormat.from_tokenizer(tok) if a.chat_frac > 0 else None
     clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
     c1, c2 = configs(a)
+    _apply_baseline(a.baseline, model, c1, c2)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    blocks = TokenBlocks(toks, c1.seq_len)
-    log(f"recipe {a.recipe} capacity {a.capacity}: {len(blocks.train)} train blocks x {c1.seq_len} tokens, "
-        f"{len(blocks.heldout)} held-out")
+    blocks = TokenBlocks(toks, c1.seq_len, chat=chat, chat_frac=a.chat_frac, seed=c1.seed)
+    log(f"recipe {a.recipe} ({a.baseline=}) capacity {a.capacity}: {len(blocks.train)} train blocks x "
+        f"{c1.seq_len} tokens ({len(blocks.chat_rows)} as chat turns), {len(blocks.heldout)} held-out")
     from ..routing import Routers
 
     s1_dir, s2_dir = out / "stage1", out / "stage2"
     if _done(s1_dir, "routers.safetensors"):
         r1 = Routers.load(s1_dir / "routers.safetensors", model).to(a.device)
         log("stage 1: finished earlier, skipped")
+    elif a.baseline == "static":
+        r1 = _static_stage1(model, blocks, c1, s1_dir, log).to(a.device)
     else:
         r1 = train_stage1(model, blocks, c1, out_dir=s1_dir, device=a.device, log=log, progress=False, clock=clock,
                           stop_after=a.stop_after_steps)
@@ -130,7 +144,8 @@ def run(a: argparse.Namespace, log=print) -> int:
             return PAUSED
     if a.s1_only:
         return _finish(a, out, s1_dir, None, model, blocks, c1)
-    b2 = blocks if c2.seq_len == c1.seq_len else TokenBlocks(toks, c2.seq_len)
+    b2 = blocks if c2.seq_len == c1.seq_len else TokenBlocks(toks, c2.seq_len, chat=chat, chat_frac=a.chat_frac,
+                                                               seed=c1.seed)
     if _done(s2_dir, "lora.safetensors"):
         log("stage 2: finished earlier, skipped")
     else:
@@ -141,13 +156,38 @@ def run(a: argparse.Namespace, log=print) -> int:
     return _finish(a, out, s1_dir, s2_dir, model, blocks, c1)
 
 
+def _apply_baseline(baseline: str, model, c1: Stage1Config, c2: Stage2Config) -> None:
+    """skipgpt: one router bit per module; static: stage 2 keeps the pruning masks fixed."""
+    if baseline == "skipgpt":
+        from ..models.spec import model_spec
+
+        s = model_spec(model)
+        c1.head_group_size, c1.ffn_group_size = s.num_heads, s.intermediate_size
+    elif baseline == "static":
+        c2.joint = False
+
+
+def _static_stage1(model, blocks, c1: Stage1Config, s1_dir: Path, log):
+    """Token-independent masks at the capacity (Wanda-sp scores on the calibration blocks), saved as stage 1."""
+    from ..eval.baselines import static_pruning
+    from .heldout import split_heldout
+
+    calib, evalb = split_heldout(blocks.heldout, c1.calib_blocks, c1.eval_blocks)
+    r = static_pruning(model, calib, c1.capacity, cfg=c1.wide_config(model), eval_blocks=evalb[:8], log=log)
+    s1_dir.mkdir(parents=True, exist_ok=True)
+    r.save(s1_dir / "routers.safetensors")
+    (s1_dir / "ckpt").mkdir(exist_ok=True)
+    (s1_dir / "ckpt" / "state.json").write_text(json.dumps({"trained": True, "static": r.allocation}))
+    return r
+
+
 def _finish(a, out: Path, s1_dir: Path, s2_dir: Path | None, model, blocks, c1) -> int:
     """Copy the final routers (+ LoRA) to <out> and write summary.json."""
     src = s2_dir or s1_dir
     shutil.copy(src / "routers.safetensors", out / "routers.safetensors")
     if s2_dir is not None:
         shutil.copy(s2_dir / "lora.safetensors", out / "lora.safetensors")
-    summary = {"recipe": a.recipe, "capacity": a.capacity, "capacity_attn": a.capacity_attn,
+    summary = {"recipe": a.recipe, "baseline": a.baseline, "chat_frac": a.chat_frac, "capacity": a.capacity, "capacity_attn": a.capacity_attn,
                "capacity_ffn": a.capacity_ffn, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else "cpu"}
     for name, d in (("stage1", s1_dir), ("stage2", s2_dir)):
