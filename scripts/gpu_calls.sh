@@ -43,9 +43,9 @@
 #   train                  needs setup (+ .data/tok/train_tokens_6m.npz carried): scripts/gpu_smollm2.sh, the
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
-#   tokens                 the train-text token cache, carried as halves .data/p1/a.npy.gz, .data/p2/b.npy.gz
-#                          (python -m wide_compile.training.data, then split; too large for one carry beside
-#                          a GGUF part), joined into /root/wcache/tokens.npy
+#   tokens                 the train-text token cache /root/wcache/tokens.npy: tokenized there from the raw
+#                          text carried as .data/train-text (a copy of the data root's train-text/), or joined
+#                          from halves carried as .data/p1/a.npy.gz, .data/p2/b.npy.gz
 #   recipe                 needs setup + tokens: `python -m wide_compile.training recipe` for CAP (default 0.5)
 #                          into /root/wcache/runs/$RUN (default c$CAP), paused before DEADLINE_S seconds
 #                          (default 530; re-run to continue); RECIPE_ARGS are its other options.
@@ -185,7 +185,11 @@ step() {
   kernel_tests)
     TRITON_INTERPRET=0 timeout "${KT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
-  tokens)
+  tokens)  # the raw text carried as .data/train-text is tokenized there (16 cores); else the halves are joined
+    if [ -d .data/train-text ]; then
+      python3 -m wide_compile.training.data --data .data/train-text --out "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF"
+      return
+    fi
     python3 -c "
 import gzip, numpy as np
 a = [np.load(gzip.open(p)) for p in ('.data/p1/a.npy.gz', '.data/p2/b.npy.gz')]

