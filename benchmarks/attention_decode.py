@@ -1,0 +1,220 @@
+"""Decode attention kernel table: wide.attn_decode (reads only the KV heads of active head groups) against
+SDPA with GQA at the same shapes, on a CUDA GPU.
+
+    python benchmarks/attention_decode.py --out decode.json                # the table (GPU)
+    python benchmarks/attention_decode.py --dry-run --out /tmp/d.json      # tiny shapes, CPU interpreter
+
+Every row: correctness against the float64 reference first (relative L2 error on the active rows), then
+each variant captured in a CUDA graph of `--inner` calls and replayed `--rounds` times, variants interleaved
+round by round; medians with the interquartile range. Masks: per sequence exactly round(c * G) groups on
+(random which), so the bytes a KV-aligned kernel must read are exactly c of the cache.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _masks(B: int, G: int, capacity: float, gen: torch.Generator) -> torch.Tensor:
+    on = max(1, round(capacity * G))
+    m = torch.zeros(B, G, dtype=torch.bool)
+    for b in range(B):
+        m[b, torch.randperm(G, generator=gen)[:on]] = True
+    return m
+
+
+def _time_graphs(fns: dict, inner: int, rounds: int, device) -> dict:
+    """{name: fn} -> {name: [ms per call, one per round]}: each fn captured `inner` times in one CUDA graph
+    (eager loops on the CPU), rounds interleaved across the variants."""
+    if device.type != "cuda":
+        out = {n: [] for n in fns}
+        for _ in range(rounds):
+            for n, f in fns.items():
+                f()
+                out[n].append(float("nan"))
+        return out
+    graphs = {}
+    for n, f in fns.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(inner):
+                f()
+        graphs[n] = g
+    for g in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    out = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, g in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            out[n].append(a.elapsed_time(b) / inner)
+    return out
+
+
+def _stats(xs: list) -> dict:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median_ms": statistics.median(xs), "q1_ms": q[0], "q3_ms": q[2], "min_ms": xs[0], "max_ms": xs[-1]}
+
+
+def decode_row(B, Hq, Hkv, D, ctx, group_size, capacity, dtype, device, inner, rounds, seed=0) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from wide_compile.kernels.attn_decode import attn_decode_ref, attn_decode_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, 1, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(B, Hkv, ctx, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(B, Hkv, ctx, D, generator=gen).to(dtype).to(device)
+    hm = _masks(B, Hq // group_size, capacity, gen).to(device)
+    full = torch.ones_like(hm)
+    out = attn_decode_triton(q, k, v, hm, group_size)
+    ref = attn_decode_ref(q.double(), k.double(), v.double(), hm, group_size)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    n_rep = Hq // Hkv
+    kv_read = hm.repeat_interleave(group_size, 1).view(B, Hkv, n_rep).any(-1).float().mean().item()
+    fns = {
+        "wide": lambda: attn_decode_triton(q, k, v, hm, group_size),
+        "wide_all_on": lambda: attn_decode_triton(q, k, v, full, group_size),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+    if device.type == "cuda":
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        fns["sdpa_flash"] = flash
+    times = {n: _stats(t) for n, t in _time_graphs(fns, inner, rounds, device).items()}
+    kv_bytes = 2 * B * Hkv * ctx * D * q.element_size()
+    row = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "ctx": ctx, "group_size": group_size, "capacity": capacity,
+           "dtype": str(dtype).replace("torch.", ""), "kv_heads_read": kv_read, "rel_err": err, "times": times}
+    if device.type == "cuda":
+        med = {n: t["median_ms"] for n, t in times.items()}
+        row["speedup_vs_sdpa"] = med["sdpa"] / med["wide"]
+        row["speedup_vs_sdpa_flash"] = med["sdpa_flash"] / med["wide"]
+        row["wide_GBps"] = kv_bytes * kv_read / (med["wide"] * 1e6)
+        row["wide_all_on_GBps"] = kv_bytes / (med["wide_all_on"] * 1e6)
+        row["sdpa_GBps"] = kv_bytes / (med["sdpa"] * 1e6)
+    return row
+
+
+SWEEP = {"block_n": (32, 64, 128), "programs_per_sm": (2, 4, 8, 16), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+
+
+def sweep_rows(Hq, Hkv, D, shapes, group_size, capacity, dtype, device, inner, rounds) -> list:
+    """Every config of SWEEP on each (B, ctx), timed in one interleaved set per shape (configs whose
+    shared memory does not fit are recorded with their error)."""
+    import itertools
+
+    from wide_compile.kernels.attn_decode import attn_decode_triton
+
+    rows = []
+    for B, ctx in shapes:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(B, Hq, 1, D, generator=gen).to(dtype).to(device)
+        k = torch.randn(B, Hkv, ctx, D, generator=gen).to(dtype).to(device)
+        v = torch.randn(B, Hkv, ctx, D, generator=gen).to(dtype).to(device)
+        hm = _masks(B, Hq // group_size, capacity, gen).to(device)
+        want = attn_decode_triton(q, k, v, hm, group_size)
+        fns, errors = {}, {}
+        for vals in itertools.product(*SWEEP.values()):
+            cfg = dict(zip(SWEEP, vals))
+            name = json.dumps(cfg, sort_keys=True)
+            try:
+                got = attn_decode_triton(q, k, v, hm, group_size, config=cfg)
+                if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+                    errors[name] = "differs from the default config"
+                    continue
+            except Exception as e:  # an out-of-resources config is a result of the sweep, not a failure
+                errors[name] = f"{type(e).__name__}: {str(e)[:120]}"
+                continue
+            fns[name] = (lambda c: (lambda: attn_decode_triton(q, k, v, hm, group_size, config=c)))(cfg)
+        times = {n: _stats(t) for n, t in _time_graphs(fns, inner, rounds, device).items()}
+        best = min(times, key=lambda n: times[n]["median_ms"]) if device.type == "cuda" else None
+        rows.append({"B": B, "ctx": ctx, "group_size": group_size, "capacity": capacity, "times": times,
+                     "errors": errors, "best": best})
+        print(f"sweep B {B} ctx {ctx}: best {best} "
+              f"{times[best]['median_ms'] * 1e3 if best else float('nan'):.1f}us", flush=True)
+    return rows
+
+
+def machine(device) -> dict:
+    import triton
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--group-sizes", type=int, nargs="+", default=[4, 1],
+                    help="query heads per group (4 = one KV head's queries on the 8B shape)")
+    ap.add_argument("--capacity", type=float, default=0.5, help="share of head groups on per sequence")
+    ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"),
+                    help="query heads, KV heads, head dim (default: Llama-3.1-8B)")
+    ap.add_argument("--inner", type=int, default=20, help="calls per CUDA graph")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every config of SWEEP at ctx 4096 / 16384, batch 1 / 8, instead of the table")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        a.ctx, a.batch, a.heads, a.inner, a.rounds = [70], [2], [8, 2, 16], 1, 2
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the decode attention table needs a CUDA GPU (or --dry-run on the CPU)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    Hq, Hkv, D = a.heads
+    if a.sweep:
+        shapes = [(B, c) for B in a.batch for c in a.ctx if c >= 4096] or [(a.batch[0], a.ctx[-1])]
+        rec = {"what": "decode attention config sweep", "machine": machine(device), "sweep": SWEEP,
+               "rows": sweep_rows(Hq, Hkv, D, shapes, a.group_sizes[0], a.capacity, dtype, device, a.inner,
+                                  a.rounds)}
+        return _write(a, argv, rec)
+    rows = []
+    for gs in a.group_sizes:
+        for B in a.batch:
+            for ctx in a.ctx:
+                r = decode_row(B, Hq, Hkv, D, ctx, gs, a.capacity, dtype, device, a.inner, a.rounds)
+                rows.append(r)
+                print(f"gs {gs} B {B} ctx {ctx}: err {r['rel_err']:.2e} kv read {r['kv_heads_read']:.2f} "
+                      + " ".join(f"{n} {t['median_ms'] * 1e3:.1f}us" for n, t in r["times"].items())
+                      + (f" | x{r['speedup_vs_sdpa']:.2f} vs sdpa, x{r['speedup_vs_sdpa_flash']:.2f} vs flash, "
+                         f"{r['wide_GBps']:.0f} GB/s" if "speedup_vs_sdpa" in r else ""), flush=True)
+    _write(a, argv, {"what": "decode attention kernel table", "machine": machine(device), "rows": rows})
+
+
+def _write(a, argv, rec: dict) -> None:
+    rec = {**rec, "command": " ".join(["benchmarks/attention_decode.py", *(argv or sys.argv[1:])]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

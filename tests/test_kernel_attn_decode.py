@@ -1,0 +1,149 @@
+"""Decode attention over the active KV heads (kernels/attn_decode.py) against its float64 reference and SDPA.
+
+Under TRITON_INTERPRET=1 on the CPU (the default here), compiled on a CUDA GPU with TRITON_INTERPRET=0.
+Tolerances (relative L2 error against a float64 reference on the same rounded inputs): fp32 <= 1e-4 (ieee
+dots), bf16 <= 2e-2 (the probabilities are rounded to bf16 before the P @ V dot, as in flash attention).
+An inactive group's rows must be exactly 0 even when its queries are NaN.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from wide_compile.kernels import attn_decode as AD  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def head_mask(B, G, density, gen):
+    if density == "one":                                    # one group on per sequence, a different one each
+        m = torch.zeros(B, G, dtype=torch.bool)
+        m[torch.arange(B), torch.randint(0, G, (B,), generator=gen)] = True
+        return m
+    return torch.rand(B, G, generator=gen) < density
+
+
+def case(B, Hq, Hkv, L, D, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, 1, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
+    return q, k, v, gen
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def check(q, k, v, hm, gs, km=None, scale=None):
+    out = AD.attn_decode_triton(*(t.to(DEV) for t in (q, k, v, hm)), gs,
+                                None if km is None else km.to(DEV), scale).cpu()
+    ref = AD.attn_decode_ref(q.double(), k.double(), v.double(), hm, gs, km, scale)
+    inactive = ~hm.repeat_interleave(gs, dim=1)
+    assert (out[inactive] == 0).all(), "an inactive group's rows must be exactly 0"
+    assert torch.isfinite(out).all()
+    if ref.norm() > 0:
+        assert rel_err(out, ref) <= TOL[q.dtype], rel_err(out, ref)
+    return out
+
+
+SHAPES = [  # B, Hq, Hkv, group sizes to try, L, D
+    (1, 4, 2, (1, 2, 4), 70, 32),
+    (2, 6, 2, (1, 3, 6), 130, 16),
+    (2, 4, 4, (1, 2), 1, 32),
+    (1, 8, 2, (4, 2), 257, 24),       # D not a power of two, L past two splits of 128
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_Hq{}_Hkv{}_L{}_D{}".format(*s[:3], *s[4:]))
+@pytest.mark.parametrize("density", [0.0, "one", 0.5, 1.0])
+def test_decode_matches_reference(shape, dtype, density):
+    B, Hq, Hkv, sizes, L, D = shape
+    for gs in sizes:
+        q, k, v, gen = case(B, Hq, Hkv, L, D, dtype, seed=L + gs)
+        check(q, k, v, head_mask(B, Hq // gs, density, gen), gs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_mask_ragged_lengths(dtype):
+    """A static cache: per sequence a different number of written keys (one sequence with none: its rows
+    are 0), the tail holding garbage that must not leak."""
+    B, Hq, Hkv, L, D, gs = 4, 8, 2, 200, 32, 4
+    q, k, v, gen = case(B, Hq, Hkv, L, D, dtype)
+    lengths = torch.tensor([200, 1, 77, 0])
+    km = torch.arange(L)[None, :] < lengths[:, None]
+    k[~km[:, None, :, None].expand_as(k)] = float("nan")
+    v[~km[:, None, :, None].expand_as(v)] = float("inf")
+    hm = head_mask(B, Hq // gs, 0.6, gen)
+    hm[:, 0] = True
+    out = check(q, k, v, hm, gs, km)
+    assert (out[3] == 0).all()
+
+
+def test_all_on_equals_sdpa_with_gqa():
+    B, Hq, Hkv, L, D = 2, 8, 2, 150, 32
+    q, k, v, _ = case(B, Hq, Hkv, L, D, torch.float32, seed=3)
+    out = AD.attn_decode_triton(*(t.to(DEV) for t in (q, k, v)), torch.ones(B, 2, dtype=torch.bool, device=DEV),
+                                4).cpu()
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_inactive_queries_never_leak():
+    """NaN queries in inactive groups, NaN keys / values in KV heads no active group reads."""
+    B, Hq, Hkv, L, D, gs = 2, 8, 4, 90, 16, 2                # KV-aligned: group g reads KV head g
+    q, k, v, _ = case(B, Hq, Hkv, L, D, torch.float32, seed=5)
+    hm = torch.tensor([[True, False, False, True], [False, True, False, False]])
+    for b in range(B):
+        for g in range(4):
+            if not hm[b, g]:
+                q[b, g * gs:(g + 1) * gs] = float("nan")
+                k[b, g], v[b, g] = float("nan"), float("inf")
+    check(q, k, v, hm, gs)
+
+
+def test_custom_scale():
+    q, k, v, gen = case(1, 4, 2, 40, 16, torch.float32, seed=7)
+    check(q, k, v, head_mask(1, 4, 1.0, gen), 1, scale=0.37)
+
+
+def test_group_straddling_kv_heads_is_an_error():
+    with pytest.raises(ValueError, match="straddle KV heads"):
+        AD.check_groups(12, 2, 4)                            # 6 query heads per KV head, groups of 4
+    with pytest.raises(ValueError, match="does not divide"):
+        AD.check_groups(8, 2, 3)
+
+
+def test_splits_cover_the_context():
+    for B, Hkv, L in [(1, 8, 16384), (8, 8, 1024), (1, 2, 1), (3, 1, 65)]:
+        S, split_len = AD.num_splits(B, Hkv, L, torch.device("cpu"))
+        assert split_len % AD.BLOCK_N == 0 and (S - 1) * split_len < L <= S * split_len
+
+
+def test_inactive_kv_heads_are_not_computed(monkeypatch):
+    """The split kernel never touches a (sequence, KV head) whose query heads are all inactive: its partials
+    keep the sentinel they were allocated with (the bytes of that KV head are never read)."""
+    made = {}
+
+    def sentinel_partials(B, Hq, S, D, device):
+        made["po"] = torch.full((B, Hq, S, D), 12345.0, device=device)
+        made["lse"] = torch.full((B, Hq, S), 12345.0, device=device)
+        return made["po"], made["lse"]
+
+    monkeypatch.setattr(AD, "_partials", sentinel_partials)
+    B, Hq, Hkv, L, D = 2, 8, 4, 150, 16
+    q, k, v, _ = case(B, Hq, Hkv, L, D, torch.float32, seed=9)
+    hm = torch.tensor([[True, False, False, True, False, False, False, False],     # 1-head groups
+                       [False, False, False, False, False, False, True, True]])
+    check(q, k, v, hm, 1)
+    kv_on = hm.view(B, Hkv, 2).any(-1).repeat_interleave(2, dim=1).cpu()             # [B, Hq]
+    lse = made["lse"].cpu()
+    assert (lse[~kv_on] == 12345.0).all() and (lse[kv_on] != 12345.0).all()
