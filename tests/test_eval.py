@@ -147,7 +147,7 @@ def test_perplexity_sliding_window_scores_each_token_once():
 
 
 def test_capacity_meter_excludes_padding():
-    from wide_compile.eval.pipeline import capacity_meter
+    from wide_compile.eval.capacity import capacity_meter
     model = tiny_model("llama")
     r = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random"))
     wc.attach(model, r)
@@ -256,6 +256,8 @@ def _pipeline_on_tiny(tmp_path, monkeypatch, *args):
     monkeypatch.setattr(tasks, "evaluate_tasks", fake_tasks)
     np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(0, V, 8000))
     root = _fixture_data(tmp_path / "data")
+    (root / "wikitext-2").mkdir()
+    (root / "wikitext-2" / "wiki.test.raw").write_text(" = Title = \n some text \n")  # checked, not read
     out = tmp_path / "out"
     torch.manual_seed(0)
     assert pipeline.main(["--data", str(root), "--out", str(out), "--tokens", str(tmp_path / "tok.npy"),

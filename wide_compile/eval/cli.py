@@ -111,10 +111,10 @@ def pipeline(argv):
 
 
 def prepare(argv):
-    from .tasks import TASKS, _FILES, prepare_tasks
+    from .tasks import data_files, prepare_tasks
 
     a = parser_prepare().parse_args(argv)
-    root = records.require_data(records.data_root(a.data), *[f for t in TASKS for f in _FILES[t]])
+    root = records.require_data(records.data_root(a.data), *data_files())
     print(json.dumps(prepare_tasks(root, a.out, a.limit)))
     return 0
 
@@ -135,13 +135,13 @@ def ppl(argv):
 
 def tasks(argv):
     from .. import attach
-    from .pipeline import capacity_meter
-    from .tasks import TASKS, _FILES, evaluate_tasks, prepare_tasks
+    from .capacity import capacity_meter
+    from .tasks import data_files, evaluate_tasks, prepare_tasks
 
     a = parser_tasks().parse_args(argv)
     tdir = Path(a.tasks_dir)
     if not (tdir / "counts.json").is_file():
-        root = records.require_data(records.data_root(a.data), *[f for t in TASKS for f in _FILES[t]])
+        root = records.require_data(records.data_root(a.data), *data_files())
         prepare_tasks(root, tdir, a.limit)
     model, tok, r = _load(a)
     if r is not None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -61,11 +59,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def required_files(metrics) -> list[str]:
-    from .tasks import TASKS, _FILES
+    from .tasks import data_files
 
     need = [WIKITEXT2_TEST] if {"ppl", "positions"} & set(metrics) else []
     if "zeroshot" in metrics:
-        need += [f for t in TASKS for f in _FILES[t]]
+        need += data_files()
     return need
 
 
@@ -113,15 +111,3 @@ def main(argv=None) -> int:
     head = f"# WIDE quality: routers {a.routers}" + (f", LoRA {a.lora}" if a.lora else "")
     (Path(a.out) / "summary.md").write_text("\n".join([head, "", *lines, ""]))
     return 0
-
-
-def dense_cache_path(a, models: Models, settings: dict) -> Path | None:
-    """Where the dense ppl record for this model + settings is cached (None: caching off)."""
-    if a.dense_cache == "none":
-        return None
-    from ..models.smollm2 import cache_dir
-
-    key = json.dumps({"model": models.describe["model"], "dtype": models.describe["dtype"],
-                      "device": torch.device(a.device).type, **settings}, sort_keys=True)
-    d = Path(a.dense_cache) if a.dense_cache else cache_dir() / "eval-dense"
-    return d / f"ppl-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
