@@ -42,10 +42,10 @@ def versions() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .helpfmt import DefaultsFormatter
+    from ..helpfmt import HelpFormatter
 
     ap = argparse.ArgumentParser(prog="wide eval pipeline", description=__doc__,
-                                 formatter_class=DefaultsFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--data", default=None, help="data root with wikitext-2/, train-text/ and the task folders; "
                                                  "unset: $WIDE_DATA_DIR, else ../shared/data next to the checkout")
     ap.add_argument("--tasks-dir", default=None, help="prepared lm-eval tasks (made from --data if absent)")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import records
-from .helpfmt import DefaultsFormatter
+from ..helpfmt import HelpFormatter
 from .perplexity import WIKITEXT2_TEST
 
 METRICS = ("ppl", "positions", "generation", "zeroshot")
@@ -39,7 +39,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True, help="folder for <metric>.json and summary.md")
     ap.add_argument("--data", default=None, help="data root; unset: $WIDE_DATA_DIR, else ../shared/data")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--limit", type=int, default=None,
@@ -89,7 +89,7 @@ def load_models(a) -> Models:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="wide eval quality", description=__doc__,
-                                 formatter_class=DefaultsFormatter)
+                                 formatter_class=HelpFormatter)
     add_arguments(ap)
     a = ap.parse_args(argv)
     metrics = [m for m in a.metrics.split(",") if m]

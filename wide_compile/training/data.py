@@ -128,11 +128,13 @@ def load_tokens(tok=None, data: str | os.PathLike | None = None, cache: str | os
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="tokenize ../shared/data/train-text with SmolLM2's tokenizer")
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--gguf", default=None)
+    ap = argparse.ArgumentParser(prog="python -m wide_compile.training tokenize",
+                                 description="tokenize the train-text once with SmolLM2's tokenizer")
+    ap.add_argument("--data", default=None,
+                    help="train-text folder; unset: $WIDE_DATA_DIR/train-text, else ../shared/data/train-text")
+    ap.add_argument("--out", required=True, help="token cache to write (.npy)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="keep only the first N tokens; unset: all")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
     a = ap.parse_args(argv)
     from ..models import load_smollm2
 
