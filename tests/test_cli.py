@@ -292,3 +292,20 @@ def test_every_eval_option_is_described(capsys):
         text = build().format_help()
         assert _options_without_help(text) == [], name
         assert "(default: None)" not in text, name  # unset options say in words what unset means
+
+
+def test_loading_the_model_shows_no_progress_bars():
+    """A SmolLM2 load is short: neither transformers' bars nor the GGUF reader's tqdm run during it, and
+    both are back as they were afterwards."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as tf_logging
+
+    from wide_compile.models.smollm2 import _quiet_loading
+
+    tqdm_before = gguf_utils.tqdm
+    tf_logging.enable_progress_bar()
+    with _quiet_loading():
+        assert not tf_logging.is_progress_bar_enabled()
+        items = [1, 2, 3]
+        assert gguf_utils.tqdm(items, desc="Converting") is items  # a pass-through, no bar
+    assert tf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is tqdm_before
