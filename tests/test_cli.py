@@ -309,3 +309,17 @@ def test_loading_the_model_shows_no_progress_bars():
         items = [1, 2, 3]
         assert gguf_utils.tqdm(items, desc="Converting") is items  # a pass-through, no bar
     assert tf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is tqdm_before
+
+
+def test_tokenize_without_data_is_one_clear_error_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import wide_compile.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_smollm2", boom)
+    monkeypatch.setenv("WIDE_DATA_DIR", str(tmp_path / "nowhere"))
+    for data in (["--data", str(tmp_path / "missing")], []):  # a folder given, and the data root's default
+        assert cli.main(["train", "tokenize", "--out", str(tmp_path / "t.npy"), *data]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pass --data PATH" in err[0] and "WIDE_DATA_DIR" in err[0], err

@@ -32,6 +32,9 @@ def train_text_files(path: str | os.PathLike | None = None) -> list[Path]:
     if root is None:
         raise FileNotFoundError("no training text: pass --data PATH (a folder of .jsonl/.jsonl.gz files) "
                                 "or set WIDE_DATA_DIR; default is ../shared/data/train-text")
+    if not root.is_dir():
+        raise FileNotFoundError(f"no train-text folder at {root}: pass --data PATH (a folder of .jsonl/.jsonl.gz "
+                                "files) or set WIDE_DATA_DIR")
     if (root / "train-text").is_dir():
         root = root / "train-text"
     files = sorted(p for p in root.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
@@ -138,8 +141,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from ..models import load_smollm2
 
+    files = train_text_files(a.data)  # checked before the model loads
     _, tok = load_smollm2(gguf_path=a.gguf)
-    arr = load_tokens(tok, a.data, None, a.max_tokens)
+    arr = tokenize_corpus(tok, files, max_tokens=a.max_tokens)
     if a.out.endswith(".npz"):
         np.savez_compressed(a.out, tokens=arr)
     else:
