@@ -46,6 +46,7 @@ import wide_compile.kernels  # noqa: E402,F401
 from wide_compile.kernels import reference as R  # noqa: E402
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
 from wide_compile.kernels.compact_mlp import default_config, mlp_triton  # noqa: E402
+from wide_compile.helpfmt import HelpFormatter  # noqa: E402
 from wide_compile.kernels.tuning import FIELDS, KernelTuning, as_arg, device_key, resolve, CONFIG_DIR  # noqa: E402
 
 CORR_PS = (0.1, 0.01)
@@ -478,11 +479,12 @@ VARIANTS = {
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(prog="wide bench kernels", description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="density 0.5 only (default: 0.25, 0.5 and 0.75)")
     ap.add_argument("--variants", action="store_true", help="also sweep kernel configs (Llama MLP, d=0.5)")
-    ap.add_argument("--out", default="benchmarks/results/kernels-h200.json")
-    ap.add_argument("--masks", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
+    ap.add_argument("--out", default="benchmarks/results/kernels-h200.json", help="results file (JSON)")
+    ap.add_argument("--masks", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS),
+                    help="mask models to time (see above)")
     ap.add_argument("--variant-ts", nargs="+", type=int, default=None,
                     help=f"with --variants: sweep only these T (of {sorted(VARIANTS)}), and their components")
     ap.add_argument("--ts", nargs="+", type=int, default=None, help=f"token counts to time (default {TS})")

@@ -2,7 +2,7 @@
 # The accuracy pipeline (python -m wide_compile.eval pipeline) on the GPU machine; its results files are in
 # benchmarks/results (accuracy-smollm2.json names each run's command and date). scripts/gpu_calls.sh's
 # `train` step calls it after setup1/setup2. Expects, under $WCACHE (/root/wcache):
-#   SmolLM2-135M-Instruct.Q4_1.gguf    (joined from the two carried parts, sha256 b179c952...8110db53)
+#   SmolLM2-135M-Instruct.Q4_1.gguf    (joined from the carried parts; its sha256 is models/smollm2.py GGUF_SHA256)
 #   site/                              (pip --target install of the carried wheels: lm_eval, datasets, ...)
 #   train_tokens_6m.npz                (python -m wide_compile.training tokenize --out ... ; first 6M tokens)
 #   eval/wikitext-2/wiki.test.raw, eval/tasks/  (python -m wide_compile.eval prepare --limit 500 ...)

@@ -252,3 +252,74 @@ def test_train_stage_help_reaches_the_stage(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "stage1", "--help"])
     assert e.value.code == 0 and "--capacity" in capsys.readouterr().out  # stage 1's own options
+
+
+# -- every command's --help describes every option ---------------------------------------------------
+def _options_without_help(text: str) -> list[str]:
+    """Option entries of an argparse help text that carry no description (nor a default)."""
+    lines, bare = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        described = "  " in line.strip()  # help text on the same line, after the invocation
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        described = described or (nxt.startswith("    ") and not nxt.lstrip().startswith("-"))
+        if not described:
+            bare.append(line.strip())
+    return bare
+
+
+# stage1 / stage2 are left out: their parsers carry options without help yet (--gguf, stage 2's --out / --data)
+HELP_COMMANDS = [["--help"], ["demo", "--help"], ["inspect", "--help"], ["train", "--help"], ["bench", "--help"],
+                 ["train", "tokenize", "--help"], ["train", "recipe", "--help"],
+                 *[["bench", b, "--help"] for b in cli.BENCH_SCRIPTS]]
+
+
+@pytest.mark.parametrize("argv", HELP_COMMANDS, ids=" ".join)
+def test_every_option_of_every_command_is_described(argv, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # `wide bench` hands its script a new sys.argv
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and _options_without_help(out) == []
+
+
+def test_every_eval_option_is_described(capsys):
+    from wide_compile.eval.cli import COMMANDS
+
+    for name, (build, _, _) in COMMANDS.items():
+        text = build().format_help()
+        assert _options_without_help(text) == [], name
+        assert "(default: None)" not in text, name  # unset options say in words what unset means
+
+
+def test_loading_the_model_shows_no_progress_bars():
+    """A SmolLM2 load is short: neither transformers' bars nor the GGUF reader's tqdm run during it, and
+    both are back as they were afterwards."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as tf_logging
+
+    from wide_compile.models.smollm2 import _quiet_loading
+
+    tqdm_before = gguf_utils.tqdm
+    tf_logging.enable_progress_bar()
+    with _quiet_loading():
+        assert not tf_logging.is_progress_bar_enabled()
+        items = [1, 2, 3]
+        assert gguf_utils.tqdm(items, desc="Converting") is items  # a pass-through, no bar
+    assert tf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is tqdm_before
+
+
+def test_tokenize_without_data_is_one_clear_error_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import wide_compile.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_smollm2", boom)
+    monkeypatch.setenv("WIDE_DATA_DIR", str(tmp_path / "nowhere"))
+    for data in (["--data", str(tmp_path / "missing")], []):  # a folder given, and the data root's default
+        assert cli.main(["train", "tokenize", "--out", str(tmp_path / "t.npy"), *data]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pass --data PATH" in err[0] and "WIDE_DATA_DIR" in err[0], err

@@ -147,7 +147,7 @@ def test_perplexity_sliding_window_scores_each_token_once():
 
 
 def test_capacity_meter_excludes_padding():
-    from wide_compile.eval.pipeline import capacity_meter
+    from wide_compile.eval.capacity import capacity_meter
     model = tiny_model("llama")
     r = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random"))
     wc.attach(model, r)
@@ -230,3 +230,62 @@ def test_shipped_smollm2_routers_load():
     assert lora_path("smollm2-135m-c50") is not None and lora_path("nope") is None
     with pytest.raises(ValueError):
         wc.Routers.pretrained("smollm2-135m-c50.lora", spec)
+
+
+# -- the whole study (`wide eval pipeline`) on a tiny model: its order, records, skips and files ------
+def _pipeline_on_tiny(tmp_path, monkeypatch, *args):
+    import numpy as np
+
+    import wide_compile.models as models
+    from wide_compile.eval import pipeline
+    from wide_compile.eval import perplexity as ppl_mod
+
+    model = tiny_model("smollm2", seed=0)
+    V = model.config.vocab_size
+    ids = torch.randint(1, V, (1, 96), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(models, "load_smollm2", lambda **kw: (model, None))
+    # the real sliding-window ppl and a forward per "task", on fixed random ids (no tokenizer, no lm-eval run)
+    monkeypatch.setattr(ppl_mod, "wikitext2_ppl", lambda m, tok, root, **kw: perplexity(
+        m, ids=ids, ctx=kw["ctx"] // 4, stride=kw["stride"] // 4))
+
+    def fake_tasks(m, tok, tasks_dir, batch_size):
+        with torch.no_grad():
+            m(input_ids=ids[:, :16])
+        return {t: {"acc": 0.5, "acc_norm": 0.5, "n": 2} for t in tasks.TASKS}
+
+    monkeypatch.setattr(tasks, "evaluate_tasks", fake_tasks)
+    np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(0, V, 8000))
+    root = _fixture_data(tmp_path / "data")
+    (root / "wikitext-2").mkdir()
+    (root / "wikitext-2" / "wiki.test.raw").write_text(" = Title = \n some text \n")  # checked, not read
+    out = tmp_path / "out"
+    torch.manual_seed(0)
+    assert pipeline.main(["--data", str(root), "--out", str(out), "--tokens", str(tmp_path / "tok.npy"),
+                          "--device", "cpu", "--smoke", "--methods", "wide,static", *args]) == 0
+    return out, json.loads((out / "accuracy-smollm2.json").read_text())
+
+
+def test_pipeline_runs_each_item_in_order_and_writes_its_files(tmp_path, monkeypatch):
+    import tarfile
+
+    out, res = _pipeline_on_tiny(tmp_path, monkeypatch, "--capacities", "0.5", "--joint")
+    got = [(r["method"], r["stage"], r.get("variant")) for r in res["records"]]
+    assert got == [("dense", 0, None), ("wide", 1, None), ("static", 1, None), ("wide", 2, None),
+                   ("static", 2, None), ("wide", 2, "joint routers")]
+    for r in res["records"][1:]:
+        assert r["capacity_target"] == 0.5 and 0.0 < r["capacity_measured"] <= 1.0
+        assert 0.0 < r["capacity_heldout"] <= 1.0 and r["wikitext2_ppl"] > 1.0
+    assert res["records"][0]["capacity_measured"] == 1.0 and "wide c50 stage 1" in res["router_stats"]
+    assert "skipped" not in res and res["protocol"]["tasks"]["counts"] == {t: 3 for t in tasks.TASKS}
+    with tarfile.open(out / "artifacts.tar") as tf:  # routers, and only WIDE's LoRAs
+        names = set(tf.getnames())
+    assert {"wide-c50-s1.safetensors", "static-c50-s1.safetensors", "wide-c50-s2.lora.safetensors",
+            "wide-c50-s2joint.safetensors", "wide-c50-s2joint.lora.safetensors"} == names
+    assert "| wide |" in (out / "table.md").read_text() and "RECORD wide s2" in (out / "pipeline.log").read_text()
+
+
+def test_pipeline_skips_what_the_deadline_leaves_no_time_for(tmp_path, monkeypatch):
+    _, res = _pipeline_on_tiny(tmp_path, monkeypatch, "--capacities", "0.5,0.7", "--deadline", "0.001",
+                               "--static-at-wide-capacity")
+    assert [r["method"] for r in res["records"]] == ["dense"]
+    assert res["skipped"] == ["wide-c50-s1", "static-c50-s1", "wide-c70-s1", "static-c70-s1"]

@@ -143,6 +143,11 @@ def test_ppl_without_data_fails_before_loading_the_model(tmp_path, monkeypatch, 
     assert len(err) == 1 and "wiki.test.raw not found: pass --data PATH" in err[0]
     assert eval_main(["quality", "--routers", "x", "--out", str(tmp_path / "o"), "--metrics", "ppl"]) == 2
     assert "pass --data PATH" in capsys.readouterr().err
+    for cmd in (["pipeline", "--out", str(tmp_path / "p")], ["tasks", "--tasks-dir", str(tmp_path / "t")],
+                ["prepare", "--out", str(tmp_path / "t")]):
+        assert eval_main(cmd) == 2, cmd
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not found: pass --data PATH" in err[0] and "WIDE_DATA_DIR" in err[0], (cmd, err)
 
 
 def test_help_lists_every_command_with_defaults(capsys):

@@ -1,7 +1,7 @@
 """The CUDA bodies of the wide ops, traced on the CPU with fake CUDA tensors (as Inductor traces a
-triton_op on the GPU). Guards against constructs Inductor cannot lower on the GPU machine's torch 2.11,
-which CPU runs never execute because the CPU dispatches to the references: seen on the H200,
-`aten.view.dtype` to or from bool ("torch.bool is not supported by torch.iinfo").
+triton_op on the GPU). Guards against constructs Inductor cannot lower on the GPU (torch 2.11), which CPU
+runs never execute because the CPU dispatches to the references, e.g. `aten.view.dtype` to or from bool
+("torch.bool is not supported by torch.iinfo").
 
 The kernels must be compiled-mode Triton functions (not the interpreter's), so the checks run in a
 subprocess without TRITON_INTERPRET (the test session sets it for the other kernel tests)."""

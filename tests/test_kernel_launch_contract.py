@@ -1,10 +1,10 @@
 """What Inductor needs from a user-defined Triton kernel that the interpreter does not check.
 
-Seen on the H200 (torch 2.11, triton 3.6): a ``tl.constexpr`` parameter with a default value that one launch
-left out (``LISTS`` on the sorted prefill path) made Inductor's generated launcher take one argument more than
-its call site passed, and every compiled model with a prefill failed with
-``launcher() missing 1 required positional argument: '_grid_2'``. The kernels therefore declare no defaults,
-so a launch that leaves a constexpr out fails at once, on the CPU too, in the interpreter tests."""
+With torch 2.11 / triton 3.6, a ``tl.constexpr`` parameter with a default value that a launch leaves out
+makes Inductor's generated launcher take one argument more than its call site passes, and the compiled
+model fails with ``launcher() missing 1 required positional argument: '_grid_2'``. The kernels therefore
+declare no defaults, so a launch that leaves a constexpr out fails at once, on the CPU too, in the
+interpreter tests."""
 import importlib
 import inspect
 

@@ -9,6 +9,8 @@ import time
 import warnings
 from pathlib import Path
 
+from wide_compile.helpfmt import HelpFormatter
+
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DEFAULT_CAPACITY = 0.5  # the shipped routers' capacity the demo picks when none is asked for
 GPU_TIMING_REPEATS = 3
@@ -17,6 +19,7 @@ TRACEBACK_ENV = "WIDE_TRACEBACK"  # set to 1 to see the traceback behind an `err
 TRAIN_COMMANDS = {"stage1": "stage 1: train the routers, base model frozen (distilled from the dense model "
                             "under a FLOP-capacity target)",
                   "stage2": "stage 2: a short LoRA fine-tune with the stage-1 routers attached",
+                  "recipe": "stage 1 then stage 2 for one capacity in one resumable run folder",
                   "tokenize": "tokenize the training text once into a token cache (.npy)"}
 BENCH_SCRIPTS = {"kernels": ("bench_kernels.py", "WIDE's Triton ops against cuBLAS and a static half-width op"),
                  "e2e": ("bench_e2e.py", "whole models: torch.compile(backend='wide') against dense Inductor")}
@@ -24,15 +27,6 @@ BENCH_SCRIPTS = {"kernels": ("bench_kernels.py", "WIDE's Triton ops against cuBL
 
 class CLIError(RuntimeError):
     """An error with a message meant for the user (printed without a traceback)."""
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default (not the None / False of options whose help says what unset means)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
 
 
 # -- arguments -------------------------------------------------------------------------------------
@@ -327,7 +321,7 @@ def _add_router_args(p) -> None:
 
 
 def _add_demo(sub) -> None:
-    d = sub.add_parser("demo", formatter_class=_Formatter, help="routed generation on SmolLM2 with the shipped "
+    d = sub.add_parser("demo", formatter_class=HelpFormatter, help="routed generation on SmolLM2 with the shipped "
                        "routers", description="Generate with SmolLM2-135M-Instruct and WIDE's shipped routers "
                        "(their stage-2 LoRA merged), showing per token how much of the layer stack it used, the "
                        "measured capacity and the dense model's answer. On a GPU the routed model is compiled "
@@ -342,7 +336,7 @@ def _add_demo(sub) -> None:
 
 
 def _add_inspect(sub) -> None:
-    i = sub.add_parser("inspect", formatter_class=_Formatter, help="what the WIDE pass finds in a model, layer "
+    i = sub.add_parser("inspect", formatter_class=HelpFormatter, help="what the WIDE pass finds in a model, layer "
                        "by layer (no compiling)", description="Attach routers to a model and print, per "
                        "layer, which attention and MLP subgraphs the pass rewrites and which stay dense (and "
                        "why).")
@@ -351,7 +345,7 @@ def _add_inspect(sub) -> None:
 
 
 def _add_forwarded(sub) -> None:
-    t = sub.add_parser("train", formatter_class=_Formatter, help="two-stage router training",
+    t = sub.add_parser("train", formatter_class=HelpFormatter, help="two-stage router training",
                        description="Train WIDE routers for SmolLM2. Each stage has its own options: "
                                    "`wide train stage1 --help`.")
     stages = t.add_subparsers(dest="stage", required=True, metavar="{" + ",".join(TRAIN_COMMANDS) + "}")
@@ -359,7 +353,7 @@ def _add_forwarded(sub) -> None:
         stages.add_parser(name, help=what, add_help=False)
     sub.add_parser("eval", help="perplexity, zero-shot accuracy, baselines, the whole study (`wide eval --help`)",
                    add_help=False)
-    b = sub.add_parser("bench", formatter_class=_Formatter, help="GPU benchmarks: kernels or end to end",
+    b = sub.add_parser("bench", formatter_class=HelpFormatter, help="GPU benchmarks: kernels or end to end",
                        description="Benchmarks of a source checkout (benchmarks/). Each has its own options: "
                                    "`wide bench e2e --help`.")
     which = b.add_subparsers(dest="which", required=True, metavar="{" + ",".join(BENCH_SCRIPTS) + "}")
@@ -369,7 +363,7 @@ def _add_forwarded(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="wide", formatter_class=_Formatter,
+        prog="wide", formatter_class=HelpFormatter,
         description="WIDE: per-token dynamic-width inference for Llama-family models (learned routers switch "
                     "groups of attention heads and FFN channels on or off per token and layer).",
         epilog=f"Errors print one line; set {TRACEBACK_ENV}=1 to see the traceback behind one.")

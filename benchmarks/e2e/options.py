@@ -11,6 +11,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from wide_compile.helpfmt import HelpFormatter
+
 from .attention import ATTENTIONS
 from .variants import VARIANTS
 
@@ -184,17 +186,6 @@ class BenchOptions:
         if model == "smollm2-135m":
             return self.smollm2_ffn_group_size, self.smollm2_head_group_size
         return self.ffn_group_size, self.head_group_size
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The description as written; every option's help ends with its default (unless unset or the help
-    already says it)."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h:
-            h += (" " if h else "") + "(default: %(default)s)"
-        return h
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from . import records
-from .helpfmt import DefaultsFormatter
+from ..helpfmt import HelpFormatter
 
 DATA_HELP = "data root; unset: $WIDE_DATA_DIR, else ../shared/data next to the checkout"
 
 
 def _parser(name: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"wide eval {name}", description=description, formatter_class=DefaultsFormatter)
+    return argparse.ArgumentParser(prog=f"wide eval {name}", description=description, formatter_class=HelpFormatter)
 
 
 def _model_args(ap):
@@ -25,23 +25,24 @@ def _model_args(ap):
     ap.add_argument("--lora", default=None, help="LoRA .safetensors (stage 2) merged before routing")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
     ap.add_argument("--data", default=None, help=DATA_HELP)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="bf16 on CUDA, fp32 on the CPU")
 
 
 # -- parsers ----------------------------------------------------------------------------------------
 def parser_prepare():
     ap = _parser("prepare", "write normalised task data + lm-eval YAMLs for the local data")
     ap.add_argument("--data", default=None, help=DATA_HELP)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--limit", type=int, default=None, help="items per task (seeded random subset)")
+    ap.add_argument("--out", required=True, help="folder for the normalised task files, the YAMLs and counts.json")
+    ap.add_argument("--limit", type=int, default=None, help="items per task (seeded random subset); unset: all")
     return ap
 
 
 def parser_ppl():
     ap = _parser("ppl", "WikiText-2 test perplexity (sliding window) of one model, dense or routed")
     _model_args(ap)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--stride", type=int, default=512)
+    ap.add_argument("--ctx", type=int, default=1024, help="window (tokens)")
+    ap.add_argument("--stride", type=int, default=512, help="window step; every token is scored once")
     ap.add_argument("--max-tokens", type=int, default=None, help="score only the first N test tokens")
     ap.add_argument("--batch-size", type=int, default=16, help="windows per forward")
     return ap
@@ -52,7 +53,7 @@ def parser_tasks():
     _model_args(ap)
     ap.add_argument("--tasks-dir", default="wide_tasks", help="prepared tasks (made from --data if absent)")
     ap.add_argument("--limit", type=int, default=None, help="items per task when preparing")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=64, help="lm-eval batch size")
     return ap
 
 
@@ -67,8 +68,8 @@ def parser_quality():
 def parser_report():
     ap = _parser("report", "markdown table / PNG from a pipeline results file")
     ap.add_argument("results", help="accuracy-smollm2.json")
-    ap.add_argument("--md", default=None)
-    ap.add_argument("--png", default=None)
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--png", default=None, help="also plot the routers' skip rates here")
     return ap
 
 
@@ -76,9 +77,9 @@ def parser_merge():
     ap = _parser("merge", "merge pipeline results files (first record per key wins; later ones are kept "
                           "as repeats)")
     ap.add_argument("inputs", nargs="+", help="accuracy-smollm2.json files, oldest first")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--md", default=None)
-    ap.add_argument("--png", default=None)
+    ap.add_argument("--out", required=True, help="the merged results file")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--png", default=None, help="also plot the routers' skip rates here")
     return ap
 
 
@@ -111,10 +112,10 @@ def pipeline(argv):
 
 
 def prepare(argv):
-    from .tasks import TASKS, _FILES, prepare_tasks
+    from .tasks import data_files, prepare_tasks
 
     a = parser_prepare().parse_args(argv)
-    root = records.require_data(records.data_root(a.data), *[f for t in TASKS for f in _FILES[t]])
+    root = records.require_data(records.data_root(a.data), *data_files())
     print(json.dumps(prepare_tasks(root, a.out, a.limit)))
     return 0
 
@@ -135,13 +136,13 @@ def ppl(argv):
 
 def tasks(argv):
     from .. import attach
-    from .pipeline import capacity_meter
-    from .tasks import TASKS, _FILES, evaluate_tasks, prepare_tasks
+    from .capacity import capacity_meter
+    from .tasks import data_files, evaluate_tasks, prepare_tasks
 
     a = parser_tasks().parse_args(argv)
     tdir = Path(a.tasks_dir)
     if not (tdir / "counts.json").is_file():
-        root = records.require_data(records.data_root(a.data), *[f for t in TASKS for f in _FILES[t]])
+        root = records.require_data(records.data_root(a.data), *data_files())
         prepare_tasks(root, tdir, a.limit)
     model, tok, r = _load(a)
     if r is not None:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from . import records
-from .helpfmt import DefaultsFormatter
+from ..helpfmt import HelpFormatter
 from .perplexity import WIKITEXT2_TEST
 
 METRICS = ("ppl", "positions", "generation", "zeroshot")
@@ -41,7 +39,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True, help="folder for <metric>.json and summary.md")
     ap.add_argument("--data", default=None, help="data root; unset: $WIDE_DATA_DIR, else ../shared/data")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--limit", type=int, default=None,
@@ -61,11 +59,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def required_files(metrics) -> list[str]:
-    from .tasks import TASKS, _FILES
+    from .tasks import data_files
 
     need = [WIKITEXT2_TEST] if {"ppl", "positions"} & set(metrics) else []
     if "zeroshot" in metrics:
-        need += [f for t in TASKS for f in _FILES[t]]
+        need += data_files()
     return need
 
 
@@ -91,7 +89,7 @@ def load_models(a) -> Models:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="wide eval quality", description=__doc__,
-                                 formatter_class=DefaultsFormatter)
+                                 formatter_class=HelpFormatter)
     add_arguments(ap)
     a = ap.parse_args(argv)
     metrics = [m for m in a.metrics.split(",") if m]
@@ -113,15 +111,3 @@ def main(argv=None) -> int:
     head = f"# WIDE quality: routers {a.routers}" + (f", LoRA {a.lora}" if a.lora else "")
     (Path(a.out) / "summary.md").write_text("\n".join([head, "", *lines, ""]))
     return 0
-
-
-def dense_cache_path(a, models: Models, settings: dict) -> Path | None:
-    """Where the dense ppl record for this model + settings is cached (None: caching off)."""
-    if a.dense_cache == "none":
-        return None
-    from ..models.smollm2 import cache_dir
-
-    key = json.dumps({"model": models.describe["model"], "dtype": models.describe["dtype"],
-                      "device": torch.device(a.device).type, **settings}, sort_keys=True)
-    d = Path(a.dense_cache) if a.dense_cache else cache_dir() / "eval-dense"
-    return d / f"ppl-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

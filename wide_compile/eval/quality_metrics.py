@@ -1,16 +1,30 @@
 """The metric runners of `wide eval quality`: each takes (Models, args, data root) -> (result, settings)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
 
+import torch
+
 from ..routing.attach import routed
+
+
+def dense_cache_path(a, models, settings: dict) -> Path | None:
+    """Where the dense ppl record for this model + settings is cached (None: caching off)."""
+    if a.dense_cache == "none":
+        return None
+    from ..models.smollm2 import cache_dir
+
+    key = json.dumps({"model": models.describe["model"], "dtype": models.describe["dtype"],
+                      "device": torch.device(a.device).type, **settings}, sort_keys=True)
+    d = Path(a.dense_cache) if a.dense_cache else cache_dir() / "eval-dense"
+    return d / f"ppl-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def run_ppl(models, a, root):
     from .perplexity import wikitext2_ppl
-    from .quality import dense_cache_path
 
     settings = {"file": "wikitext-2/wiki.test.raw", "ctx": a.ctx, "stride": a.stride, "max_tokens": a.max_tokens}
     kw = dict(ctx=a.ctx, stride=a.stride, batch_size=a.batch_size, max_tokens=a.max_tokens)
@@ -78,7 +92,7 @@ def run_generation(models, a, root):
 
 
 def run_zeroshot(models, a, root):
-    from .pipeline import capacity_meter
+    from .capacity import capacity_meter
     from .tasks import evaluate_tasks, prepare_tasks, write_yamls
     from .zeroshot import compare_tasks
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ENV_DATA = "WIDE_DATA_DIR"
+from ..paths import DATA_ENV, data_root as package_data_root
 
 
 class DataNotFound(FileNotFoundError):
@@ -24,11 +24,7 @@ class DataNotFound(FileNotFoundError):
 def data_root(explicit=None) -> Path:
     """`explicit`, else the package's one data root (wide_compile.paths: $WIDE_DATA_DIR or ../shared/data);
     it may not exist (see require_data)."""
-    if explicit:
-        return Path(explicit)
-    from ..paths import data_root as package_root
-
-    return package_root()
+    return Path(explicit) if explicit else package_data_root()
 
 
 def require_data(root, *relative: str) -> Path:
@@ -37,7 +33,7 @@ def require_data(root, *relative: str) -> Path:
     for rel in relative:
         if not (root / rel).is_file():
             raise DataNotFound(f"{root / rel} not found: pass --data PATH (a folder holding {rel}) "
-                               f"or set {ENV_DATA}")
+                               f"or set {DATA_ENV}")
     return root
 
 

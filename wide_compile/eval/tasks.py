@@ -61,6 +61,11 @@ _FILES = {
 }
 
 
+def data_files(tasks=TASKS) -> list[str]:
+    """The files under the data root that `tasks` read (relative paths), for checking before a model loads."""
+    return [f for t in tasks for f in _FILES[t]]
+
+
 def _read_jsonl(p: Path) -> list[dict]:
     op = gzip.open if p.name.endswith(".gz") else open
     with op(p, "rt", encoding="utf-8") as f:

@@ -32,6 +32,9 @@ def train_text_files(path: str | os.PathLike | None = None) -> list[Path]:
     if root is None:
         raise FileNotFoundError("no training text: pass --data PATH (a folder of .jsonl/.jsonl.gz files) "
                                 "or set WIDE_DATA_DIR; default is ../shared/data/train-text")
+    if not root.is_dir():
+        raise FileNotFoundError(f"no train-text folder at {root}: pass --data PATH (a folder of .jsonl/.jsonl.gz "
+                                "files) or set WIDE_DATA_DIR")
     if (root / "train-text").is_dir():
         root = root / "train-text"
     files = sorted(p for p in root.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
@@ -128,16 +131,19 @@ def load_tokens(tok=None, data: str | os.PathLike | None = None, cache: str | os
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="tokenize ../shared/data/train-text with SmolLM2's tokenizer")
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--gguf", default=None)
+    ap = argparse.ArgumentParser(prog="python -m wide_compile.training tokenize",
+                                 description="tokenize the train-text once with SmolLM2's tokenizer")
+    ap.add_argument("--data", default=None,
+                    help="train-text folder; unset: $WIDE_DATA_DIR/train-text, else ../shared/data/train-text")
+    ap.add_argument("--out", required=True, help="token cache to write (.npy)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="keep only the first N tokens; unset: all")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
     a = ap.parse_args(argv)
     from ..models import load_smollm2
 
+    files = train_text_files(a.data)  # checked before the model loads
     _, tok = load_smollm2(gguf_path=a.gguf)
-    arr = load_tokens(tok, a.data, None, a.max_tokens)
+    arr = tokenize_corpus(tok, files, max_tokens=a.max_tokens)
     if a.out.endswith(".npz"):
         np.savez_compressed(a.out, tokens=arr)
     else:

@@ -50,7 +50,7 @@ def _parser(recipe: str, smoke: bool) -> argparse.ArgumentParser:
     ap.add_argument("--capacity", type=float, default=0.5, help="target FLOP-weighted capacity")
     ap.add_argument("--capacity-attn", type=float, default=None, help="attention target (default: --capacity)")
     ap.add_argument("--capacity-ffn", type=float, default=None, help="FFN target (default: --capacity)")
-    ap.add_argument("--ffn-group-size", type=int, default=64)
+    ap.add_argument("--ffn-group-size", type=int, default=64, help="FFN channels per router bit")
     ap.add_argument("--head-group-size", default="1", help="query heads per router bit, or 'kv' (one KV group)")
     ap.add_argument("--baseline", choices=BASELINES, default="none",
                     help="skipgpt: one group per module (whole attention / MLP per token), same training; "
@@ -63,8 +63,8 @@ def _parser(recipe: str, smoke: bool) -> argparse.ArgumentParser:
     ap.add_argument("--s1-only", action="store_true", help="stop after stage 1")
     ap.add_argument("--tokens", default=None, help="token cache .npy/.npz (training/data.py; written if absent)")
     ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
-    ap.add_argument("--gguf", default=None)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="training device")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="seconds for this invocation: checkpoint and exit 75 before them; re-run to continue")
     ap.add_argument("--stop-after-steps", type=int, default=None,
