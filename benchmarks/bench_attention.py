@@ -14,7 +14,8 @@ bf16) and must be exactly 0 on the inactive rows. Timing: each callable is captu
 the graph's replay is timed with triton.testing.do_bench (L2 cleared before each repetition); the variants
 take turns for --rounds rounds (A/B interleaved) and a row reports the median, quartiles, min and max over all
 repetitions, and the speedup = SDPA's median / the variant's median, both from this run.
---sweep: also times the kernel's candidate tile configs (attn_prefill.SWEEP).
+--sweep: also times the kernel's candidate tile configs (attn_prefill.SWEEP); a candidate that fails on this GPU
+(e.g. out of shared memory) becomes a row with its error.
 
 BENCHES maps each --what to its function; each returns a list of JSON rows.
 """
@@ -141,13 +142,21 @@ def bench_prefill(args) -> list:
         v = torch.randn(args.batch, Hkv, T, d, generator=gen).to(dev, dtype)
         sdpa = _sdpa_call(q, k, v, args.dry_run)
         ref = sdpa()
-        fns, meta = {"sdpa": sdpa}, {}
+        fns, meta, failed = {"sdpa": sdpa}, {}, []
         for gs in group_sizes:
             mask = (torch.rand(args.batch, T, Hq // gs, generator=gen) < args.capacity).to(dev)
             for cfg in configs:
-                name = f"wide_gs{gs}" + ("" if cfg is None else "_m{BLOCK_M}n{BLOCK_N}w{num_warps}s{num_stages}".format(**cfg))
+                name = f"wide_gs{gs}" + ("" if cfg is None else
+                                         "_m{BLOCK_M}n{BLOCK_N}w{num_warps}s{num_stages}".format(**cfg))
                 fn = (lambda m=mask, g=gs, c=cfg: attn_prefill_triton(q, k, v, m, g, config=c))
-                err = check_active_rows(fn(), ref, mask, gs)
+                try:
+                    err = check_active_rows(fn(), ref, mask, gs)
+                except Exception as e:  # a swept tile that does not fit this GPU is a row, not the end of the run
+                    if cfg is None:
+                        raise
+                    failed.append(dict(variant=name, T=T, group_size=gs, config=cfg, error=repr(e)[:300],
+                                       **_shape_fields(args, shape)))
+                    continue
                 fns[name] = fn
                 meta[name] = dict(group_size=gs, config=config_for(d, cfg), rel_l2_active_vs_sdpa=err,
                                   active_fraction=mask.float().mean().item(),
@@ -164,12 +173,14 @@ def bench_prefill(args) -> list:
                              flop_fraction=info["flops"] / dense_flops, **info, **_shape_fields(args, shape)))
             print(f"prefill T={T:6d} {name:28s} {t['median']:8.4f} ms (sdpa {base:8.4f})  "
                   f"{base / t['median']:5.2f}x  err {info['rel_l2_active_vs_sdpa']:.1e}", flush=True)
+        rows += failed
     return rows
 
 
 def _shape_fields(args, shape) -> dict:
-    return dict(what="prefill", batch=args.batch, capacity=args.capacity, masks="random", dtype=
-                "float32" if args.dry_run else "bfloat16", causal=True, **shape)
+    dtype = "float32" if args.dry_run else "bfloat16"
+    return dict(what="prefill", batch=args.batch, capacity=args.capacity, masks="random", dtype=dtype, causal=True,
+                **shape)
 
 
 # The lead's decode benchmark (wide_compile/kernels/attn_decode.py) joins this table as "decode".

@@ -35,15 +35,20 @@ def test_prefill_dry_run_writes_rows(tmp_path):
             assert 0 < r["flop_fraction"] < 1
 
 
-def test_sweep_and_the_active_row_check(tmp_path):
+def test_sweep_and_the_active_row_check(tmp_path, monkeypatch):
     import bench_attention
     import pytest
     import torch
+    from wide_compile.kernels import attn_prefill
 
+    unfit = dict(BLOCK_M=8, BLOCK_N=16, num_warps=1, num_stages=1)  # a candidate the launcher rejects
+    monkeypatch.setattr(attn_prefill, "SWEEP", attn_prefill.SWEEP + (unfit,))
     data = bench_attention.main(["--what", "all", "--dry-run", "--sweep", "--ts", "5", "--out",
                                  str(tmp_path / "a.json")])
-    from wide_compile.kernels.attn_prefill import SWEEP
-    assert len(data["rows"]) == 1 + 2 * (1 + len(SWEEP))
+    rows = data["rows"]
+    assert len(rows) == 1 + 2 * (1 + len(attn_prefill.SWEEP))
+    failed = [r for r in rows if "error" in r]
+    assert [r["config"] for r in failed] == [unfit, unfit] and "power of two" in failed[0]["error"]
     # the check before timing fails on a wrong active row and on a nonzero inactive row
     mask = torch.tensor([[[True, False]]])
     ref = torch.ones(1, 2, 1, 4)

@@ -225,9 +225,15 @@ def test_cuda_body_traces_without_host_sync():
     """The op's CUDA body traced with fake CUDA tensors (as Inductor traces a triton_op): two kernel launches,
     static shapes, no data-dependent op. A subprocess with TRITON_INTERPRET=0, so the kernels are compiled-mode
     Triton functions."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import {__name__.rsplit('.', 1)[-1]} as t; t.check_cuda_body()"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    _run_compiled_mode("check_cuda_body")
+
+
+def _run_compiled_mode(check: str, **env):
+    """Runs this module's function `check` in a subprocess with TRITON_INTERPRET=0."""
+    env = dict(os.environ, TRITON_INTERPRET="0", **env)
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import {__name__.rsplit('.', 1)[-1]} as t; t.{check}()")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -239,8 +245,67 @@ def check_cuda_body():
         q = torch.empty(1, 2048, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         k = torch.empty(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
         mask = torch.empty(1, 2048, 8, device="cuda", dtype=torch.bool)
-    gm = make_fx(lambda q, k, v, m: AP.attn_prefill_triton(q, k, v, m, 4, wrap=True), tracing_mode="fake")(q, k, k, mask)
+    body = lambda q, k, v, m: AP.attn_prefill_triton(q, k, v, m, 4, wrap=True)  # noqa: E731
+    gm = make_fx(body, tracing_mode="fake")(q, k, k, mask)
     launches = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     assert len(launches) == 2, gm.graph
     outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     assert tuple(outs.meta["val"].shape) == (1, 32, 2048, 128)
+
+
+# ----------------------------------------------------------------------------- ahead-of-time compile for the H100/H200
+
+SM90_SHARED = 232448  # bytes of shared memory per block on the H100 / H200
+CUOBJDUMP = None
+try:
+    import triton as _triton
+
+    CUOBJDUMP = os.path.join(os.path.dirname(_triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+except ImportError:  # pragma: no cover
+    pass
+
+
+@pytest.mark.skipif(CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP), reason="this triton wheel has no cuobjdump")
+def test_cuda_configs_compile_for_sm90_without_spills():
+    """The shipped CUDA tiles (CONFIGS["cuda"]) compiled for sm_90 with this machine's Triton: no register spills
+    and shared memory within the H100/H200 limit with a 5 % margin (the GPU machine's Triton differs)."""
+    _run_compiled_mode("check_sm90_configs", TRITON_DEFAULT_FP_FUSION="1")
+
+
+def _compile_sm90(consts: dict, cfg: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(getattr(AP._attn_prefill_kernel, "fn", AP._attn_prefill_kernel))
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "order_ptr": "*i32",
+            "cnt_ptr": "*i32"}
+    strides = [f"s{t}{a}" for t in "qkvo" for a in "bhtd"]
+    sig = dict(ptrs) | {s: "i32" for s in strides} | dict(T="i32", n_tiles="i32", qk_scale="fp32", window="i32")
+    unit = {s: 1 for s in strides if s.endswith("d")}  # head-dim strides are 1, as the launcher specialises them
+    sig |= {k: "constexpr" for k in list(consts) + list(unit)}
+    aligned = [i for i, name in enumerate(sig) if name in ptrs or (name in strides and name not in unit)]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts | unit,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+
+
+def check_sm90_configs():
+    import tempfile
+
+    bad = []
+    for d, gs, window in [(128, 4, None), (128, 1, None), (128, 4, 256), (64, 1, None)]:
+        cfg = AP.config_for(d)
+        kernel = _compile_sm90(AP.kernel_constants(32, 8, d, gs, window, torch.bfloat16, cfg), cfg)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+        stack = int(usage.split("STACK:")[1].split()[0])
+        shared = kernel.metadata.shared
+        print(d, gs, window, cfg, "stack", stack, "shared", shared)
+        if stack or shared > SM90_SHARED / 1.05:
+            bad.append((d, gs, window, cfg, f"spilled {stack} B" if stack else f"shared {shared} B"))
+    assert not bad, bad

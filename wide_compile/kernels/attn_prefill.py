@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reorder import _as_uint8, _launcher
+from .reorder import _launcher
 from .tuning import interpreting
 
 # Tile configs by head dim on a CUDA GPU (Hopper first), and one for the CPU interpreter (small tiles so
@@ -50,18 +50,22 @@ CONFIGS = {
         16: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
         32: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
         64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-        128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-        256: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
     },
     "interpreter": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
 }
+# Candidates for d = 128 on Hopper that compile for sm_90 without register spills (tests/test_kernel_attn_prefill.py
+# compiles the defaults ahead of time); 128 x 128 with 3 stages sits at the shared-memory limit.
 SWEEP = (
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 LOG2E = 1.4426950408889634
@@ -186,25 +190,27 @@ def _active_order_kernel(mask_ptr, order_ptr, cnt_ptr, T, G: tl.constexpr, BT: t
 def active_order_triton(mask: torch.Tensor, wrap: bool = False):
     """Triton version of active_order_ref (same outputs, one launch, no host sync)."""
     B, T, G = mask.shape
-    m8 = _as_uint8(mask)
+    mask = mask if mask.dtype == torch.bool else mask.to(torch.bool)  # read as is: no conversion launch
+    mask = mask.contiguous()
     order = torch.empty((B, G, T), dtype=torch.int32, device=mask.device)
     counts = torch.empty((B, G), dtype=torch.int32, device=mask.device)
     BT = min(1024, max(16, triton.next_power_of_2(T)))
-    _launcher(_active_order_kernel, wrap)[(B * G,)](m8, order, counts, T, G=G, BT=BT)
+    _launcher(_active_order_kernel, wrap)[(B * G,)](mask, order, counts, T, G=G, BT=BT)
     return order, counts
 
 
 # ----------------------------------------------------------------------------- attention kernel
 
 @triton.jit
-def _attend_blocks(acc, l_i, m_i, q, qpos, k_base, v_base, skt, skd, svt, svd, start, end, T, qk_scale,
-                   window, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _attend_blocks(acc, l_i, m_i, q, qpos, q_after, k_base, v_base, skt, skd, svt, svd, start, end, T, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
     # key blocks [start, end) in steps of BLOCK_N; MASKED: per-row causal/window masks and key bounds
-    # (unmasked blocks lie below every row's position and inside every row's window)
+    # (unmasked blocks lie below every row's position and inside every row's window); a row sees the keys
+    # in (q_after, qpos]
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for n0 in tl.range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         kpos = n0 + offs_n
         k_ptrs = k_base + kpos[:, None] * skt + offs_d[None, :] * skd
         v_ptrs = v_base + kpos[:, None] * svt + offs_d[None, :] * svd
@@ -218,7 +224,7 @@ def _attend_blocks(acc, l_i, m_i, q, qpos, k_base, v_base, skt, skd, svt, svd, s
         if MASKED:
             vis = kpos[None, :] <= qpos[:, None]
             if HAS_WINDOW:
-                vis = vis & (kpos[None, :] > qpos[:, None] - window)
+                vis = vis & (kpos[None, :] > q_after[:, None])
             qk = tl.where(vis, qk * qk_scale, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             if HAS_WINDOW:  # a row may have seen no key yet: subtract 0 instead of -inf (no NaN)
@@ -253,7 +259,7 @@ def _attn_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, order_ptr, cnt_ptr,
                          G: tl.constexpr, HKV: tl.constexpr, GROUP_SIZE: tl.constexpr, N_REP: tl.constexpr,
                          H_PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr):
+                         PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
     # program -> (batch, KV head, tile, unit of that KV head); units of one KV head adjacent, tiles reversed
     # (heaviest first)
     UNITS_PER_KV: tl.constexpr = N_REP // H_PACK
@@ -285,6 +291,7 @@ def _attn_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, order_ptr, cnt_ptr,
         p_min = tl.load(order_row + tile_start)
         p_max = tl.load(order_row + tl.minimum(tile_start + BLOCK_T, count) - 1)
         qpos = tl.where(active, tok, p_max)  # padding rows act as the last query (finite, never stored)
+        q_after = qpos - window
         q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + tok.to(tl.int64)[:, None] * sqt
                     + offs_d[None, :] * sqd, mask=active[:, None], other=0.0)
         if UPCAST:
@@ -304,13 +311,17 @@ def _attn_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, order_ptr, cnt_ptr,
             full_lo = 0
         u_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         u_hi = tl.minimum(tl.maximum(full_hi, u_lo), hi)
+        # the window edge (short: not pipelined), the blocks every row sees whole, the causal edge
         if HAS_WINDOW:
-            acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, qpos, k_base, v_base, skt, skd, svt, svd, lo, u_lo,
-                                           T, qk_scale, window, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, PREC, UPCAST)
-        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, qpos, k_base, v_base, skt, skd, svt, svd, u_lo, u_hi,
-                                       T, qk_scale, window, HEAD_DIM, BLOCK_N, False, HAS_WINDOW, PREC, UPCAST)
-        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, qpos, k_base, v_base, skt, skd, svt, svd, u_hi, hi,
-                                       T, qk_scale, window, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, PREC, UPCAST)
+            acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, qpos, q_after, k_base, v_base, skt, skd, svt, svd,
+                                           lo, u_lo, T, qk_scale, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, PREC,
+                                           UPCAST, 1)
+        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, qpos, q_after, k_base, v_base, skt, skd, svt, svd,
+                                       u_lo, u_hi, T, qk_scale, HEAD_DIM, BLOCK_N, False, HAS_WINDOW, PREC,
+                                       UPCAST, STAGES)
+        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, qpos, q_after, k_base, v_base, skt, skd, svt, svd,
+                                       u_hi, hi, T, qk_scale, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, PREC,
+                                       UPCAST, STAGES)
         out = acc / l_i[:, None]
         out = tl.where(active[:, None], out, 0.0)
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=in_tile[:, None])
@@ -320,6 +331,23 @@ def empty_output(q: torch.Tensor) -> torch.Tensor:
     """[B, Hq, T, d] viewing a [B, T, Hq, d]-contiguous buffer (the layout SDPA's flash backend returns)."""
     B, Hq, T, d = q.shape
     return torch.empty((B, T, Hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
+def kernel_constants(Hq: int, Hkv: int, d: int, group_size: int, window: Optional[int], dtype: torch.dtype,
+                     cfg: dict) -> dict:
+    """The constexpr arguments of _attn_prefill_kernel for this shape and tile config (the launcher's and the
+    ahead-of-time compile test's)."""
+    n_rep = Hq // Hkv
+    h_pack = min(group_size, n_rep)
+    block_t = cfg["BLOCK_M"] // h_pack
+    if block_t < 1:
+        raise ValueError(f"attn_prefill_triton: BLOCK_M {cfg['BLOCK_M']} is smaller than the {h_pack} heads a "
+                         "tile packs")
+    return dict(G=Hq // group_size, HKV=Hkv, GROUP_SIZE=group_size, N_REP=n_rep, H_PACK=h_pack, HEAD_DIM=d,
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=window is not None,
+                PREC="ieee" if (dtype == torch.float32 or interpreting()) else "tf32",
+                UPCAST=interpreting() and dtype in (torch.bfloat16, torch.float16),  # interpreter half dots: inexact
+                STAGES=cfg["num_stages"])
 
 
 def attn_prefill_triton(q, k, v, mask, group_size: int, window: Optional[int] = None,
@@ -334,24 +362,16 @@ def attn_prefill_triton(q, k, v, mask, group_size: int, window: Optional[int] = 
     if d < 16 or d & (d - 1):
         raise ValueError(f"attn_prefill_triton: head dim must be a power of two >= 16, got {d}")
     cfg = config_for(d, config)
-    h_pack = min(group_size, n_rep)
-    block_t = cfg["BLOCK_M"] // h_pack
-    if block_t < 1:
-        raise ValueError(f"attn_prefill_triton: BLOCK_M {cfg['BLOCK_M']} is smaller than the {h_pack} heads a "
-                         "tile packs")
+    consts = kernel_constants(Hq, Hkv, d, group_size, window, q.dtype, cfg)
     out = empty_output(q)
     if B * T == 0:
         return out
     order, counts = active_order_triton(mask, wrap)
-    n_tiles = triton.cdiv(T, block_t)
+    n_tiles = triton.cdiv(T, consts["BLOCK_T"])
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    upcast = interpreting() and q.dtype in (torch.bfloat16, torch.float16)  # the interpreter's half dots are inexact
-    prec = "ieee" if (q.dtype == torch.float32 or interpreting()) else "tf32"
-    grid = (B * Hkv * (n_rep // h_pack) * n_tiles,)
+    grid = (B * Hkv * (n_rep // consts["H_PACK"]) * n_tiles,)
     _launcher(_attn_prefill_kernel, wrap)[grid](
         q, k, v, out, order, counts, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        T, n_tiles, scale * LOG2E, window if window is not None else 0,
-        G=G, HKV=Hkv, GROUP_SIZE=group_size, N_REP=n_rep, H_PACK=h_pack, HEAD_DIM=d,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=window is not None,
-        PREC=prec, UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        T, n_tiles, scale * LOG2E, 0 if window is None else window,
+        **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
