@@ -28,7 +28,7 @@ if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-MASK_KINDS = ("off", "on", 0.3, 0.7, "one", "ragged")
+MASK_KINDS = ("off", "on", 0.3, 0.7, "one", "group0", "ragged")
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,11 @@ def make_mask(B, T, G, kind, gen):
         return torch.zeros(B, T, G, dtype=torch.bool)
     if kind == "on":
         return torch.ones(B, T, G, dtype=torch.bool)
-    if kind == "one":  # one group per token
+    if kind == "group0":  # a single group, on for every token
+        m = torch.zeros(B, T, G, dtype=torch.bool)
+        m[..., 0] = True
+        return m
+    if kind == "one":  # one random group per token
         m = torch.zeros(B, T, G, dtype=torch.bool)
         m.scatter_(2, torch.randint(0, G, (B, T, 1), generator=gen), True)
         return m
