@@ -207,6 +207,8 @@ def test_bad_input_errors():
     kv24 = torch.zeros(1, 2, 5, 24)
     with pytest.raises(ValueError, match="power of two"):
         AP.attn_prefill_triton(q24, kv24, kv24, torch.ones(1, 5, 2, dtype=torch.bool), 3)
+    with pytest.raises(ValueError, match="one device"):
+        AP.attn_prefill_ref(q, k, v, torch.ones(1, 5, 2, dtype=torch.bool, device="meta"), 3)
     with pytest.raises(ValueError, match="unknown keys"):
         AP.config_for(16, {"BLOCK_K": 16})
 

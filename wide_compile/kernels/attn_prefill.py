@@ -116,6 +116,9 @@ def check_inputs(q, k, v, mask, group_size: int, window: Optional[int]) -> tuple
                          f"got {tuple(mask.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"attn_prefill: window must be >= 1 (or None for full causal), got {window}")
+    if len({q.device, k.device, v.device, mask.device}) > 1:
+        raise ValueError(f"attn_prefill: q, k, v and mask must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}, {mask.device}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"attn_prefill: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     return B, Hq, Hkv, T, d, G, n_rep
