@@ -147,3 +147,13 @@ def test_inactive_kv_heads_are_not_computed(monkeypatch):
     kv_on = hm.view(B, Hkv, 2).any(-1).repeat_interleave(2, dim=1).cpu()             # [B, Hq]
     lse = made["lse"].cpu()
     assert (lse[~kv_on] == 12345.0).all() and (lse[kv_on] != 12345.0).all()
+
+
+def test_op_on_cpu_runs_the_reference_and_passes_opcheck():
+    from wide_compile.kernels import wide_attn_decode
+
+    q, k, v, gen = case(2, 8, 2, 33, 16, torch.float32, seed=11)
+    hm, km = head_mask(2, 2, 0.5, gen), torch.arange(33)[None, :] < torch.tensor([[33], [20]])
+    out = wide_attn_decode(q, k, v, hm, 4, km)
+    assert torch.equal(out, AD.attn_decode_ref(q, k, v, hm, 4, km))
+    torch.library.opcheck(torch.ops.wide.attn_decode.default, (q, k, v, hm, 4, km, None, ""))

@@ -7,12 +7,13 @@ Public API (each backed by a ``torch.ops.wide.*`` op; group_size = channels / q 
     wide_o_proj(a, w_o_t, b_o, mask, group_size, tuning=None)
     mask_reorder(mask, block_m)
     wide_attn_prefill(q, k, v, mask, group_size, window=None, scale=None)   # attention over active head groups
+    wide_attn_decode(q, k, v, head_mask, group_size, key_mask=None, scale=None)  # decode: active KV heads only
 
 `tuning` is the tile table (tuning.KernelTuning; None = the device's table in configs/).
 """
 from .ops import wide_mlp, wide_q_proj, wide_o_proj, mask_reorder  # noqa: F401
-from .attn_ops import wide_attn_prefill  # noqa: F401
+from .attn_ops import wide_attn_decode, wide_attn_prefill  # noqa: F401
 from . import reference  # noqa: F401
 from .tuning import KernelTuning  # noqa: F401
 
-__all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "wide_attn_prefill", "reference", "KernelTuning"]
+__all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "wide_attn_prefill", "wide_attn_decode", "reference", "KernelTuning"]

@@ -4,7 +4,7 @@ traces through them, so the graph Inductor sees holds reshapes + the torch.ops.w
 `tuning` is the kernels' tile table as JSON ("" = the device's shipped one; wide_compile.kernels.tuning)."""
 from __future__ import annotations
 
-OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj")
+OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill")
 
 
 def kernels():
@@ -43,3 +43,18 @@ def wide_o_proj_nd(a, w_o_t, b_o, mask, group_size: int, tuning: str = ""):
     lead = a.shape[:-1]
     out = kernels().wide_o_proj(a.reshape(-1, a.shape[-1]), w_o_t, b_o, _flat_mask(mask, lead), group_size, tuning)
     return out.reshape(*lead, out.shape[-1])
+
+
+def wide_attn_decode_nd(q, k, v, mask, heads_per_group: int, key_mask=None, scale=None):
+    """q [B, Hq, 1, d], k / v [B, Hkv, L, d], mask [..., G] (the router's, one token per sequence),
+    key_mask [B|1, 1, 1, L] bool or None -> [B, Hq, 1, d]."""
+    B, G = q.shape[0], q.shape[1] // heads_per_group
+    head_mask = mask.expand(B, 1, G).reshape(B, G)
+    km = None if key_mask is None else key_mask.expand(B, 1, 1, key_mask.shape[-1]).reshape(B, -1)
+    return kernels().wide_attn_decode(q, k, v, head_mask, heads_per_group, km, scale)
+
+
+def wide_attn_prefill_nd(q, k, v, mask, heads_per_group: int, scale=None):
+    """q [B, Hq, T, d], k / v [B, Hkv, T, d], mask [..., T, G] (the router's) -> [B, Hq, T, d], causal."""
+    B, T, G = q.shape[0], q.shape[2], q.shape[1] // heads_per_group
+    return kernels().wide_attn_prefill(q, k, v, mask.expand(B, T, G), heads_per_group, None, scale)

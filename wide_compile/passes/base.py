@@ -77,6 +77,8 @@ class AttnMatch(_BlockForm):
     layer: int = -1
     status: str = "detected"
     reason: str = ""
+    sdpa_kind: str = ""                  # "decode" / "prefill" once sdpa runs a wide.attn_* op (rewrite_sdpa)
+    sdpa_reason: str = ""                # why sdpa stayed dense in a rewritten block
 
 
 @dataclass

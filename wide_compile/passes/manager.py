@@ -20,10 +20,11 @@ from .detect_mlp import DetectSwiGLU
 from .insert_routers import InsertRouters
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
+from .rewrite_sdpa import RewriteSDPA
 
 
 def default_passes() -> list[Pass]:
-    return [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention()]
+    return [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention(), RewriteSDPA()]
 
 
 class PassManager:
@@ -82,6 +83,10 @@ def _summarise(ctx: PassContext) -> None:
             detail = f"G={a.groups} x {a.group_size} q columns, {a.form} input, K/V dense"
         if not a.q_ok:
             detail += f"; q dense ({a.q_reason})"
+        if a.sdpa_kind:
+            detail += f"; attention: wide.attn_{a.sdpa_kind}"
+        elif a.sdpa_reason:
+            detail += f"; attention dense ({a.sdpa_reason})"
         if a.reason:
             detail += "; " + a.reason
         r.attn.append({"layer": a.layer, "status": a.status, "form": a.form, "groups": a.groups,
