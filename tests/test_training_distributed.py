@@ -44,12 +44,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], nproc: int = 2, timeout_s: float = 240) -> tuple[int, str, str]:
+    """(return code, stdout, stderr) of the worker under torchrun; on timeout torchrun gets SIGTERM, which
+    it passes on to its workers (they run in their own sessions), so no rank is left behind."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={_free_port()}", str(WORKER), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout_s} s (ranks out of step?):\n{err[-6000:]}")
+    return p.returncode, out, err
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +77,9 @@ def runs(tmp_path_factory):
         assert train_main(["stage2", "--out", str(d / "p2"), *s2, "--stop-after-steps", "2"]) == 75
     finally:
         torch.set_num_threads(threads)
-    p = _torchrun([str(d / "d1"), str(d / "p2"), json.dumps(S1), json.dumps(s2)])
-    assert p.returncode == 0, f"torchrun failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return d, p.stdout
+    rc, out, err = _torchrun([str(d / "d1"), str(d / "p2"), json.dumps(S1), json.dumps(s2)])
+    assert rc == 0, f"torchrun failed:\n{out[-3000:]}\n{err[-6000:]}"
+    return d, out
 
 
 def _curve(folder: Path) -> list[dict]:

@@ -26,10 +26,11 @@ single-process code. What changes with N > 1:
   resume on another number of processes (only the Gumbel noise stream of a rank the checkpoint has no RNG
   state for starts afresh).
 * Held-out evaluation and calibration run the same forwards on every rank (each FSDP forward needs every
-  rank): the all-gathered weights are the same bytes on every rank and the kernels are deterministic for a
-  shape, so the data-dependent loops there (calibration bisection) take the same path everywhere; rank 0's
-  evaluation is broadcast so early stopping and the best checkpoint agree, and so is the wall-clock
-  deadline decision.
+  rank) with rank 0's router logits broadcast (`rank0_decisions`): the hard decisions, hence the measured
+  capacities and the calibration's bisection path, are the same on every rank even where two ranks' forwards
+  differ in the last bit (a rank that took another path would wait forever in a collective). Rank 0's
+  evaluation result is broadcast, so early stopping and the best checkpoint agree, and so is the
+  wall-clock deadline decision.
 * Gumbel noise: rank r seeds seed + r, so each rank draws its own noise (the same distribution as one
   process, not the same sample); rank 0's stream is the single-process one.
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -186,11 +188,40 @@ class DistEnv:
         """Rank 0's decision (e.g. whether a step still fits before the deadline) on every rank."""
         return bool(self.broadcast_object(bool(flag)))
 
+    @contextmanager
+    def rank0_decisions(self):
+        """Within: every learned router's logits are rank 0's (broadcast as each router runs), so hard
+        decisions and everything computed from them agree across ranks. For evaluation and calibration,
+        where every rank runs the same blocks; training steps (each rank its own tokens) never use it."""
+        if not self.active:
+            yield
+            return
+        from ..routing.routers import LEARNED
+
+        def hook(module, args, out):
+            if isinstance(module, LEARNED):
+                out = out.contiguous()
+                _dist().broadcast(out, src=0)
+                return out
+            return None
+
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     def agreed(self, fn):
-        """fn, whose result every rank receives from rank 0 (the held-out evaluation)."""
+        """fn run under rank0_decisions, its result rank 0's on every rank (the held-out evaluation)."""
         if not self.active:
             return fn
-        return lambda *args, **kw: self.broadcast_object(fn(*args, **kw))
+
+        def run(*args, **kw):
+            with self.rank0_decisions():
+                out = fn(*args, **kw)
+            return self.broadcast_object(out)
+
+        return run
 
     def barrier(self) -> None:
         if self.active:

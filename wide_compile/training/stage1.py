@@ -258,8 +258,9 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
     if cfg.calibrate:
         calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
         t = cfg.targets()
-        calibrate_offset_(model, routers, calib, cfg.capacity, log=log, target_attn=t.get("attn"),
-                          target_ffn=t.get("ffn"))
+        with env.rank0_decisions():  # the same bisection path on every rank
+            calibrate_offset_(model, routers, calib, cfg.capacity, log=log, target_attn=t.get("attn"),
+                              target_ffn=t.get("ffn"))
         env.broadcast_module_(routers)  # every rank returns the routers rank 0 writes
     if out_dir and env.is_main:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

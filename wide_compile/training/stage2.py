@@ -278,8 +278,9 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
     if cfg.joint and cfg.calibrate:
         calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
         t = cfg.targets(routers)
-        calibrate_offset_(pm, routers, calib, t["overall"], log=log, target_attn=t.get("attn"),
-                          target_ffn=t.get("ffn"))
+        with env.rank0_decisions():  # the same bisection path on every rank
+            calibrate_offset_(pm, routers, calib, t["overall"], log=log, target_attn=t.get("attn"),
+                              target_ffn=t.get("ffn"))
         env.broadcast_module_(routers)  # every rank returns the routers rank 0 writes
     state = lora_state(pm)
     if out_dir:
