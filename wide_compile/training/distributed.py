@@ -288,6 +288,13 @@ class _GlobalMean(torch.autograd.Function):
         return grad, None
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` is already an FSDP2 module (e.g. built on the meta device and sharded by its owner)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 # -- full <-> sharded tensors (need no DistEnv: a DTensor carries its mesh) -------------------------------
 def full_tensors(d: dict) -> dict:
     """d with every DTensor replaced by the full tensor (a collective: call on every rank)."""

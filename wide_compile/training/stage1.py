@@ -229,7 +229,9 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
     `stop_after` ended this invocation first: re-run to continue; nothing final is written then).
 
     Under torchrun (a process group of several ranks) it trains on an FSDP2-sharded copy of `model` on this
-    rank's device; `model` itself stays as it is (load it on the CPU: only the shards go to the GPU)."""
+    rank's device; `model` itself stays as it is (load it on the CPU: only the shards go to the GPU). A model
+    that is already sharded (distributed.is_sharded: built on the meta device, then DistEnv.shard) is
+    trained as it is."""
     env = distributed.current()
     device = env.device if env.active else (device or next(model.parameters()).device)
     torch.manual_seed(cfg.seed)
@@ -240,7 +242,7 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
     routers.to(device).train()
     routers.requires_grad_(True)
     if env.active:
-        model = env.shard(copy.deepcopy(model))
+        model = model if distributed.is_sharded(model) else env.shard(copy.deepcopy(model))
         env.broadcast_module_(routers)
         env.seed(cfg.seed)
         log, progress = env.main_only(log), progress and env.is_main
