@@ -100,7 +100,12 @@ class DistEnv:
         if self.active:
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
-                    _dist().broadcast(t.data, src=0)
+                    if t.dtype == torch.bool:  # constant routers' masks: collectives take no bool
+                        buf = t.data.to(torch.uint8)
+                        _dist().broadcast(buf, src=0)
+                        t.data.copy_(buf.bool())
+                    else:
+                        _dist().broadcast(t.data, src=0)
         return module
 
     def seed(self, seed: int) -> None:

@@ -287,8 +287,9 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
         save_lora(pm, Path(out_dir) / "lora.safetensors")
         if env.is_main:
             routers.save(Path(out_dir) / "routers.safetensors")
-            (Path(out_dir) / "stage2.json").write_text(json.dumps({"config": asdict(cfg), "history": st.curve["train"][-50:],
-                                                                   "best_step": st.best_step, "best_ppl": st.best_ppl}))
+            summary = {"config": asdict(cfg), "history": st.curve["train"][-50:], "best_step": st.best_step,
+                       "best_ppl": st.best_ppl}
+            (Path(out_dir) / "stage2.json").write_text(json.dumps(summary))
     env.barrier()
     if env.active:  # the sharded model cannot be merged in place: merge the gathered adapter into a copy
         merged = merge_lora(copy.deepcopy(base_model), state, cfg.rank, cfg.alpha, TARGETS)
