@@ -1,7 +1,8 @@
 """Router training: stage 1 (routers only, base frozen, KD + LM + capacity loss) and stage 2 (LoRA).
 
 Entry point: `python -m wide_compile.training {recipe,stage1,stage2,tokenize} ...` or `train_main(argv)`;
-`recipe` runs both stages of one capacity, resumably (training/recipe.py).
+`recipe` runs both stages of one capacity, resumably (training/recipe.py). Each runs unchanged under
+`torchrun --nproc-per-node N` (training/distributed.py: FSDP2).
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ evaluations, early-stopping counter, the curve). The data position is a function
 (data.TokenBlocks.batches is seeded per epoch), so the step restores it. A run therefore splits across
 invocations: a wall-clock deadline (or `stop_after`) checkpoints and returns "paused"; re-running the
 same phase continues; a finished phase returns "done" at once.
+
+Under torchrun (training/distributed.py) every rank runs the loop; checkpoint tensors are gathered to full
+tensors on every rank, rank 0 writes the files (the single-process format, RNG states of every rank
+added), and the others wait for it.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from . import distributed
 from .curves import write_curve
 
 STATE_VERSION = 1
@@ -92,21 +97,31 @@ def _load_tensors(path: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
 
 
-def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(tensors, metadata) of the optimizer state: "<param index>.<name>" -> full tensor (a sharded state is
+    gathered: call on every rank), param_groups as JSON."""
     sd = opt.state_dict()
     tensors = {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
             tensors[f"{pid}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
-    _save_tensors(tensors, path, {"param_groups": json.dumps(sd["param_groups"])})
+    return distributed.full_tensors(tensors), {"param_groups": json.dumps(sd["param_groups"])}
+
+
+def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    tensors, meta = optimizer_tensors(opt)
+    _save_tensors(tensors, path, meta)
 
 
 def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    """Load a state saved by save_optimizer; a sharded (DTensor) parameter gets its slice of the full state."""
     tensors, meta = _load_tensors(path)
+    params = [p for g in opt.param_groups for p in g["params"]]
     state: dict = {}
     for k, v in tensors.items():
         pid, name = k.split(".", 1)
-        state.setdefault(int(pid), {})[name] = v
+        p = params[int(pid)]
+        state.setdefault(int(pid), {})[name] = distributed.shard_like(v, p) if v.shape == p.shape else v
     opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
 
 
@@ -137,24 +152,42 @@ class Checkpoint:
     def save(self, phase: Phase, st: LoopState) -> None:
         if self.dir is None:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        _save_tensors(phase.trainables(), self.dir / "train.safetensors")
-        save_optimizer(phase.optimizer, self.dir / "opt.safetensors")
-        _save_tensors(_rng_state(), self.dir / "rng.safetensors")
-        tmp = self.dir / "state.json.tmp"
-        tmp.write_text(st.to_json())
-        tmp.replace(self.dir / "state.json")  # written last: it is what says the checkpoint is complete
+        env = distributed.current()
+        train = distributed.full_tensors(phase.trainables())  # collectives: every rank, before rank 0 writes
+        opt, opt_meta = optimizer_tensors(phase.optimizer)
+        rng = env.gather_rng(env.rng_state()) if env.active else _rng_state()
+        if env.is_main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _save_tensors(train, self.dir / "train.safetensors")
+            _save_tensors(opt, self.dir / "opt.safetensors", opt_meta)
+            _save_tensors(rng, self.dir / "rng.safetensors")
+            tmp = self.dir / "state.json.tmp"
+            tmp.write_text(st.to_json())
+            tmp.replace(self.dir / "state.json")  # written last: it is what says the checkpoint is complete
+        env.barrier()
 
     def save_best(self, phase: Phase) -> None:
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            _save_tensors(phase.trainables(), self.dir / "best.safetensors")
+            env = distributed.current()
+            best = distributed.full_tensors(phase.trainables())
+            if env.is_main:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                _save_tensors(best, self.dir / "best.safetensors")
+            env.barrier()
 
-    def load(self, phase: Phase) -> LoopState:
+    def load(self, phase: Phase, log=print) -> LoopState:
         st = LoopState.from_json((self.dir / "state.json").read_text())
         phase.load_trainables(_load_tensors(self.dir / "train.safetensors")[0])
         load_optimizer(phase.optimizer, self.dir / "opt.safetensors")
-        _set_rng_state(_load_tensors(self.dir / "rng.safetensors")[0])
+        rng, env = _load_tensors(self.dir / "rng.safetensors")[0], distributed.current()
+        if not env.active:
+            _set_rng_state(rng)
+            return st
+        if (mine := env.local_rng(rng)) is not None:
+            env.set_rng_state(mine)
+        if (have := env.ranks_with_rng(rng)) < env.world_size:
+            log(f"{phase.name}: the checkpoint holds the RNG states of {have} process(es): ranks {have} and up "
+                "continue their Gumbel noise from their own seeds")
         return st
 
     def best(self) -> dict | None:
@@ -175,7 +208,8 @@ class Clock:
         if self.deadline_at is None:
             return True
         need = self.step_s + (self.eval_s if step_due_eval else 0.0) + self.save_s + self.margin
-        return time.time() + need < self.deadline_at
+        # under torchrun rank 0's clock decides for all: a rank that paused alone would wait forever
+        return distributed.current().agree(time.time() + need < self.deadline_at)
 
     @staticmethod
     def ema(old: float, new: float) -> float:
@@ -191,7 +225,7 @@ def run_phase(phase: Phase, clock: Clock | None = None, log=print, stop_after: i
     evaluation) are loaded into the phase."""
     clock = clock or Clock(None)
     ck = Checkpoint(phase.out_dir)
-    st = ck.load(phase) if ck.exists() else LoopState()
+    st = ck.load(phase, log) if ck.exists() else LoopState()
     if st.step:
         log(f"{phase.name}: resumed at step {st.step}/{phase.total_steps}")
     if not st.trained:
@@ -279,7 +313,7 @@ def _evaluate(phase: Phase, st: LoopState, ck: Checkpoint, clock: Clock, log) ->
 def _checkpoint(phase: Phase, st: LoopState, ck: Checkpoint, clock: Clock) -> None:
     t0 = time.time()
     ck.save(phase, st)
-    if phase.out_dir is not None:
+    if phase.out_dir is not None and distributed.current().is_main:
         write_curve(phase.out_dir, phase.name, {"phase": phase.name, "config": phase.config, **st.curve,
                                                 "best_step": st.best_step, "best_ppl": st.best_ppl,
                                                 "stopped_early": st.stopped_early, "step": st.step,

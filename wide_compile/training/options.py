@@ -72,13 +72,29 @@ def smoke_chat_format(model):
                       assistant_tokens=(4, 20))
 
 
-def real_model_and_tokens(device, gguf=None, data=None, tokens=None, with_tokenizer: bool = False):
-    """SmolLM2-135M (bf16 on CUDA, fp32 on CPU) and the training token stream (training/data.py);
+def model_dtype(device) -> torch.dtype:
+    """The backbone's dtype when training on `device`: bf16 on CUDA, fp32 on CPU."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def training_device(device: str):
+    """(env, device the training runs on, device the model is loaded on) for a command's --device: joins the
+    torchrun process group if there is one (training/distributed.py); under it the training device is this
+    rank's, and the model is loaded on the CPU so that only its FSDP shards reach the GPU."""
+    from . import distributed
+
+    env = distributed.setup(device)
+    return (env, str(env.device), "cpu") if env.active else (env, device, device)
+
+
+def real_model_and_tokens(device, gguf=None, data=None, tokens=None, with_tokenizer: bool = False,
+                          dtype: torch.dtype | None = None):
+    """SmolLM2-135M (dtype, default model_dtype(device)) and the training token stream (training/data.py);
     with_tokenizer: (model, tokens, tokenizer)."""
     from ..models import load_smollm2
     from .data import load_tokens
 
-    dt = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    dt = dtype or model_dtype(device)
     model, tok = load_smollm2(dtype=dt, device=device, gguf_path=gguf)
     toks = load_tokens(tok, data, tokens)
     return (model, toks, tok) if with_tokenizer else (model, toks)

@@ -4,7 +4,8 @@ Stage 1 (routers, base frozen) in <out>/stage1, then stage 2 (LoRA, routers join
 recipe) in <out>/stage2, then <out>/routers.safetensors + <out>/lora.safetensors + <out>/summary.json. Each
 phase is exactly resumable (training/loop.py); a finished phase is skipped on a re-run. With --deadline-s
 the command checkpoints and exits with code 75 (EX_TEMPFAIL) before that many seconds have passed since it
-started; running the same command again continues. Exit code 0: everything is done.
+started; running the same command again continues. Exit code 0: everything is done. Under
+`torchrun --nproc-per-node N` both stages train on N processes (training/distributed.py).
 
 Every Stage1Config / Stage2Config field is a flag (--s1-<field> / --s2-<field>); the shared ones
 (--capacity, --recipe, group sizes, --batch-size, --seq-len, --epochs of each stage) set both stages.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import distributed
 from .chat import ChatFormat
 from .loop import Clock
 from .stage1 import RECIPE_DEFAULTS as S1_RECIPE, Stage1Config, train_stage1
@@ -112,14 +114,18 @@ def run(a: argparse.Namespace, log=print) -> int:
     """The whole recipe for one capacity; returns 0 (done) or PAUSED."""
     t_start = time.time()
     from .data import TokenBlocks
-    from .options import fast_cuda, real_model_and_tokens, smoke_chat_format, smoke_model_and_tokens
+    from .options import (fast_cuda, model_dtype, real_model_and_tokens, smoke_chat_format, smoke_model_and_tokens,
+                          training_device)
 
+    env, device, load_on = training_device(a.device)
+    log = env.main_only(log)
     if a.smoke:
-        model, toks = smoke_model_and_tokens(a.device)
+        model, toks = smoke_model_and_tokens(load_on)
         chat = smoke_chat_format(model) if a.chat_frac > 0 else None
     else:
         fast_cuda()
-        model, toks, tok = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens, with_tokenizer=True)
+        model, toks, tok = real_model_and_tokens(load_on, a.gguf, a.data, a.tokens, with_tokenizer=True,
+                                                 dtype=model_dtype(device))
         chat = ChatFormat.from_tokenizer(tok) if a.chat_frac > 0 else None
     clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
     c1, c2 = configs(a)
@@ -133,12 +139,12 @@ def run(a: argparse.Namespace, log=print) -> int:
 
     s1_dir, s2_dir = out / "stage1", out / "stage2"
     if _done(s1_dir, "routers.safetensors"):
-        r1 = Routers.load(s1_dir / "routers.safetensors", model).to(a.device)
+        r1 = Routers.load(s1_dir / "routers.safetensors", model).to(device)
         log("stage 1: finished earlier, skipped")
     elif a.baseline == "static":
-        r1 = _static_stage1(model, blocks, c1, s1_dir, log).to(a.device)
+        r1 = _static_stage1(model, blocks, c1, s1_dir, log).to(device)
     else:
-        r1 = train_stage1(model, blocks, c1, out_dir=s1_dir, device=a.device, log=log, progress=False, clock=clock,
+        r1 = train_stage1(model, blocks, c1, out_dir=s1_dir, device=device, log=log, progress=False, clock=clock,
                           stop_after=a.stop_after_steps)
         if r1.train_status == "paused":
             return PAUSED
@@ -174,22 +180,29 @@ def _static_stage1(model, blocks, c1: Stage1Config, s1_dir: Path, log):
 
     calib, evalb = split_heldout(blocks.heldout, c1.calib_blocks, c1.eval_blocks)
     r = static_pruning(model, calib, c1.capacity, cfg=c1.wide_config(model), eval_blocks=evalb[:8], log=log)
-    s1_dir.mkdir(parents=True, exist_ok=True)
-    r.save(s1_dir / "routers.safetensors")
-    (s1_dir / "ckpt").mkdir(exist_ok=True)
-    (s1_dir / "ckpt" / "state.json").write_text(json.dumps({"trained": True, "static": r.allocation}))
+    env = distributed.current()
+    if env.is_main:
+        s1_dir.mkdir(parents=True, exist_ok=True)
+        r.save(s1_dir / "routers.safetensors")
+        (s1_dir / "ckpt").mkdir(exist_ok=True)
+        (s1_dir / "ckpt" / "state.json").write_text(json.dumps({"trained": True, "static": r.allocation}))
+    env.barrier()
     return r
 
 
 def _finish(a, out: Path, s1_dir: Path, s2_dir: Path | None, model, blocks, c1) -> int:
-    """Copy the final routers (+ LoRA) to <out> and write summary.json."""
+    """Copy the final routers (+ LoRA) to <out> and write summary.json (rank 0 under torchrun)."""
+    env = distributed.current()
+    if not env.is_main:
+        return 0
     src = s2_dir or s1_dir
     shutil.copy(src / "routers.safetensors", out / "routers.safetensors")
     if s2_dir is not None:
         shutil.copy(s2_dir / "lora.safetensors", out / "lora.safetensors")
     summary = {"recipe": a.recipe, "baseline": a.baseline, "chat_frac": a.chat_frac, "capacity": a.capacity, "capacity_attn": a.capacity_attn,
                "capacity_ffn": a.capacity_ffn, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else "cpu"}
+               "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else "cpu",
+               "processes": env.world_size}
     for name, d in (("stage1", s1_dir), ("stage2", s2_dir)):
         if d is not None and (d / "curve.json").is_file():
             cur = json.loads((d / "curve.json").read_text())

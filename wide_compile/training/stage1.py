@@ -20,9 +20,12 @@ margins are calibrated on held-out text so the deterministic capacities equal th
 
 Files (<out>): routers.safetensors (final), curve.json / curve.png, stage1.json (config + last records),
 ckpt/ (training/loop.py: exact resume). Re-running with the same --out resumes or, if finished, returns.
+Under `torchrun --nproc-per-node N` the same command trains on N processes (training/distributed.py:
+FSDP2-sharded backbone, replicated routers, --batch-size stays the global batch).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -34,6 +37,7 @@ from ..config import WideConfig
 from ..models.spec import model_spec
 from ..routing import FlopCost, Routers, attach, detach, record_masks
 from ..routing.calibrate import calibrate_offset_, deterministic_capacity  # noqa: F401  (re-exported)
+from . import distributed
 from .heldout import HeldoutEval, split_heldout
 from .loop import Clock, Phase, run_phase
 from .losses import (anneal, autocast, capacity_loss, kd_loss, lm_loss, lr_factor,  # noqa: F401  (re-exported)
@@ -167,20 +171,22 @@ def _scheduled_targets(step: int, steps: int, cfg: Stage1Config) -> dict:
 
 
 def _stage1_phase(model, routers: Routers, blocks, cfg: Stage1Config, out_dir, device) -> Phase:
+    env = distributed.current()
+    env.check_batch(cfg.batch_size)
     steps = total_steps(cfg, len(blocks.train))
     opt = router_optimizer(routers, cfg)
     cost = FlopCost.from_routers(routers)
     calib, evalb = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
 
     def step_fn(step: int, ids: torch.Tensor) -> dict:
-        ids = ids.to(device, non_blocking=True)
+        ids = env.local_batch(ids).to(device, non_blocking=True)  # ids: [B / ranks, S]
         tau, _, noise = schedule(step, steps, cfg)
         set_lr(opt, lr_factor(step, steps, cfg.warmup_frac, cfg.min_lr_frac))
         with autocast(device, cfg.amp):
             t_logits = teacher_logits(model, ids) if cfg.kd_weight > 0 else None
             with routers.relax(tau, noise=noise), record_masks(model) as rec:
                 logits = model(input_ids=ids).logits
-            cap = relaxed_capacity(routers, rec, cost)
+            cap = env.global_capacity(relaxed_capacity(routers, rec, cost))
         zero = logits.new_zeros((), dtype=torch.float32)
         loss_kd = kd_loss(logits, t_logits) if t_logits is not None else zero
         loss_lm = lm_loss(logits, ids) if cfg.lm_weight > 0 else zero
@@ -188,10 +194,12 @@ def _stage1_phase(model, routers: Routers, blocks, cfg: Stage1Config, out_dir, d
         loss = cfg.kd_weight * loss_kd + cfg.lm_weight * loss_lm + cfg.cap_weight * loss_cap
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        env.reduce_grads_(routers.parameters())
         torch.nn.utils.clip_grad_norm_(routers.parameters(), 1.0)
         opt.step()
-        return {"loss": loss.detach(), "kd": loss_kd.detach(), "lm": loss_lm.detach(),
-                "cap": cap["overall"].detach(), "attn": cap["attn"].detach(), "ffn": cap["ffn"].detach()}
+        return env.mean_scalars({"loss": loss.detach(), "kd": loss_kd.detach(), "lm": loss_lm.detach(),
+                                 "cap": cap["overall"].detach(), "attn": cap["attn"].detach(),
+                                 "ffn": cap["ffn"].detach()})
 
     def sched(step: int) -> dict:
         tau, target, noise = schedule(step, steps, cfg)
@@ -205,7 +213,7 @@ def _stage1_phase(model, routers: Routers, blocks, cfg: Stage1Config, out_dir, d
         tokens_per_step=cfg.batch_size * cfg.seq_len,
         batches=lambda start: blocks.batches(cfg.batch_size, steps, seed=cfg.seed, start=start),
         step_fn=step_fn, schedule=sched, optimizer=opt,
-        evaluate=HeldoutEval(model, routers, calib, evalb, cfg.targets(), calibrated=cfg.eval_calibrated),
+        evaluate=env.agreed(HeldoutEval(model, routers, calib, evalb, cfg.targets(), calibrated=cfg.eval_calibrated)),
         trainables=lambda: dict(routers.state_dict()),
         load_trainables=lambda d: routers.load_state_dict(d),
         eligible=lambda step: step >= ramp_end, eval_every=auto_eval_every(cfg, steps), patience=cfg.patience,
@@ -218,8 +226,14 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
     """Train routers for `model` (frozen) on `blocks` (a data.TokenBlocks). Returns the routers (detached,
     hard decisions, the best held-out ones, calibrated if cfg.calibrate), with `.train_history` (the
     curve's training records) and `.train_status` ("done", or "paused" when the clock's deadline or
-    `stop_after` ended this invocation first: re-run to continue; nothing final is written then)."""
-    device = device or next(model.parameters()).device
+    `stop_after` ended this invocation first: re-run to continue; nothing final is written then).
+
+    Under torchrun (a process group of several ranks) it trains on an FSDP2-sharded copy of `model` on this
+    rank's device; `model` itself stays as it is (load it on the CPU: only the shards go to the GPU). A model
+    that is already sharded (distributed.is_sharded: built on the meta device, then DistEnv.shard) is
+    trained as it is."""
+    env = distributed.current()
+    device = env.device if env.active else (device or next(model.parameters()).device)
     torch.manual_seed(cfg.seed)
     model.requires_grad_(False)
     model.eval()
@@ -227,6 +241,11 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
         routers = Routers.init(model, cfg.wide_config(model), seed=cfg.seed)
     routers.to(device).train()
     routers.requires_grad_(True)
+    if env.active:
+        model = model if distributed.is_sharded(model) else env.shard(copy.deepcopy(model))
+        env.broadcast_module_(routers)
+        env.seed(cfg.seed)
+        log, progress = env.main_only(log), progress and env.is_main
     phase = _stage1_phase(model, routers, blocks, cfg, out_dir, device)
     attach(model, routers)
     try:
@@ -241,13 +260,16 @@ def train_stage1(model, blocks, cfg: Stage1Config, out_dir=None, device=None, lo
     if cfg.calibrate:
         calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
         t = cfg.targets()
-        calibrate_offset_(model, routers, calib, cfg.capacity, log=log, target_attn=t.get("attn"),
-                          target_ffn=t.get("ffn"))
-    if out_dir:
+        with env.rank0_decisions():  # the same bisection path on every rank
+            calibrate_offset_(model, routers, calib, cfg.capacity, log=log, target_attn=t.get("attn"),
+                              target_ffn=t.get("ffn"))
+        env.broadcast_module_(routers)  # every rank returns the routers rank 0 writes
+    if out_dir and env.is_main:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         routers.save(Path(out_dir) / "routers.safetensors")
         (Path(out_dir) / "stage1.json").write_text(json.dumps({"config": asdict(cfg), "history": st.curve["train"][-50:],
                                                                "best_step": st.best_step, "best_ppl": st.best_ppl}))
+    env.barrier()
     return routers
 
 
@@ -256,38 +278,46 @@ def main(argv=None):
     import time
 
     from .data import TokenBlocks
-    from .options import add_config_args, config_from_args, fast_cuda, real_model_and_tokens, smoke_model_and_tokens
+    from .options import (add_config_args, config_from_args, fast_cuda, model_dtype, real_model_and_tokens,
+                          smoke_model_and_tokens, training_device)
 
     t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage1",
-                                 description="Stage 1: train WIDE (or SkipGPT-style) routers, base frozen")
+                                 description="Stage 1: train WIDE (or SkipGPT-style) routers, base frozen. "
+                                             "On N GPUs: torchrun --nproc-per-node N -m wide_compile.training "
+                                             "stage1 ... (FSDP2; --batch-size is the global batch)")
     ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
     ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
     ap.add_argument("--tokens", default=None, help="token cache .npy (read if present, else written)")
     ap.add_argument("--gguf", default=None)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="under torchrun: cuda (each process its own GPU) or cpu")
     ap.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                     help="skipgpt = one group per module (skip the whole attention / MLP per token)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
+    ap.add_argument("--stop-after-steps", type=int, default=None,
+                    help="checkpoint and exit (code 75) after this many training steps in this invocation")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, a few steps (CPU check)")
     add_config_args(ap, Stage1Config)
     a = ap.parse_args(argv)
     cfg = config_from_args(a, Stage1Config)
+    env, device, load_on = training_device(a.device)
     if a.smoke:
-        model, toks = smoke_model_and_tokens(a.device)
+        model, toks = smoke_model_and_tokens(load_on)
         cfg.steps, cfg.seq_len, cfg.batch_size, cfg.epochs = min(cfg.steps, 20), 64, 4, 0
     else:
         fast_cuda()
-        model, toks = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens)
+        model, toks = real_model_and_tokens(load_on, a.gguf, a.data, a.tokens, dtype=model_dtype(device))
     if a.method == "skipgpt":
         s = model_spec(model)
         cfg.head_group_size, cfg.ffn_group_size = s.num_heads, s.intermediate_size
     blocks = TokenBlocks(toks, cfg.seq_len)
     clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
-    r = train_stage1(model, blocks, cfg, out_dir=a.out, device=a.device, clock=clock)
+    r = train_stage1(model, blocks, cfg, out_dir=a.out, device=device, clock=clock, stop_after=a.stop_after_steps)
     if r.train_status == "paused":
         return 75
-    print(json.dumps({"out": str(Path(a.out) / "routers.safetensors"), "best_step": r.train_state.best_step,
-                      "best_ppl": r.train_state.best_ppl}))
+    if env.is_main:
+        print(json.dumps({"out": str(Path(a.out) / "routers.safetensors"), "best_step": r.train_state.best_step,
+                          "best_ppl": r.train_state.best_ppl}))
     return 0

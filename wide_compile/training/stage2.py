@@ -12,6 +12,9 @@ the jointly trained routers are calibrated back to their capacity targets.
 `train_stage2` returns (merged_model, routers, lora_state): the LoRA merged into a copy of the base weights
 (a plain HF model, routers detached), the routers (possibly updated), and the adapter tensors (to save).
 Files (<out>): lora.safetensors, routers.safetensors, curve.json / curve.png, stage2.json, ckpt/.
+Under `torchrun --nproc-per-node N` the same command trains on N processes (training/distributed.py: the
+LoRA-wrapped backbone sharded with FSDP2, the adapters' fp32 master weights sharded with it, routers
+replicated; the files hold full tensors, as one process writes them).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 
 from ..routing import FlopCost, Routers, attach, detach, record_masks, routed
 from ..routing.calibrate import calibrate_offset_
+from . import distributed
 from .heldout import HeldoutEval, split_heldout
 from .loop import Clock, Phase, run_phase
 from .losses import anneal, autocast, capacity_loss, kd_loss, lm_loss, lr_factor, relaxed_capacity, set_lr
@@ -92,19 +96,26 @@ class Stage2Config:
 
 
 def lora_state(peft_model) -> dict[str, torch.Tensor]:
+    """The adapter tensors, full (gathered from FSDP shards: under torchrun call it on every rank), on the CPU."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    full = distributed.full_tensors(get_peft_model_state_dict(peft_model))
+    return {k: v.detach().cpu().contiguous() for k, v in full.items()}
 
 
 def save_lora(peft_model, path, meta: dict | None = None) -> None:
+    """Write the adapter (bf16) with its rank / alpha / targets; under torchrun every rank calls it (the
+    tensors are gathered) and rank 0 writes."""
     from safetensors.torch import save_file
 
+    state = lora_state(peft_model)
+    if not distributed.current().is_main:
+        return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     cfg = peft_model.peft_config["default"]
     m = {"rank": str(cfg.r), "alpha": str(cfg.lora_alpha), "targets": json.dumps(sorted(cfg.target_modules))}
     m.update({k: str(v) for k, v in (meta or {}).items()})
-    save_file({k: v.to(torch.bfloat16) for k, v in lora_state(peft_model).items()}, str(path), metadata=m)
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(path), metadata=m)
 
 
 def apply_lora(model, rank: int = 8, alpha: int = 16, targets=None, dropout: float = 0.0):
@@ -124,9 +135,16 @@ def load_lora_merged(model, path):
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         sd = {k: f.get_tensor(k) for k in f.keys()}
-    pm = apply_lora(model, int(meta["rank"]), int(meta["alpha"]), json.loads(meta["targets"]))
+    return merge_lora(model, sd, int(meta["rank"]), int(meta["alpha"]), json.loads(meta["targets"]))
+
+
+def merge_lora(model, state: dict, rank: int, alpha: int, targets) -> torch.nn.Module:
+    """`model` (changed in place) with the adapter tensors `state` (lora_state's keys) merged in."""
+    from peft import set_peft_model_state_dict
+
+    pm = apply_lora(model, rank, alpha, targets)
     dt = next(model.parameters()).dtype
-    set_peft_model_state_dict(pm, {k: v.to(dt) for k, v in sd.items()})
+    set_peft_model_state_dict(pm, {k: v.to(dt) for k, v in state.items()})
     return pm.merge_and_unload()
 
 
@@ -147,16 +165,21 @@ def _trainables(pm, routers: Routers, joint: bool) -> dict:
 
 
 def _load_trainables(pm, routers: Routers, d: dict) -> None:
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    set_peft_model_state_dict(pm, {k[5:]: v.float() for k, v in d.items() if k.startswith("lora.")})
+    lora = {k[5:]: v.float() for k, v in d.items() if k.startswith("lora.")}
+    if distributed.current().active:  # into this rank's shards of the (DTensor) adapter parameters
+        distributed.copy_into_(get_peft_model_state_dict(pm), lora)
+    else:
+        set_peft_model_state_dict(pm, lora)
     rs = {k[8:]: v for k, v in d.items() if k.startswith("routers.")}
     if rs:
         routers.load_state_dict(rs)
 
 
-def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, groups) -> Phase:
-    device = next(pm.parameters()).device
+def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, groups, device) -> Phase:
+    env = distributed.current()
+    env.check_batch(cfg.batch_size)
     steps = total_steps(cfg, len(blocks.train))
     opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
     cost = FlopCost.from_routers(routers)
@@ -169,7 +192,7 @@ def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, grou
                 step / max(1, steps - 1) < 1.0 - cfg.noise_off_frac)
 
     def step_fn(step: int, ids: torch.Tensor) -> dict:
-        ids = ids.to(device, non_blocking=True)
+        ids = env.local_batch(ids).to(device, non_blocking=True)  # ids: [B / ranks, S]
         set_lr(opt, lr_factor(step, steps, cfg.warmup_frac, cfg.min_lr_frac))
         tau, noise = tau_noise(step)
         with autocast(device, cfg.amp):
@@ -178,17 +201,19 @@ def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, grou
             relax = routers.relax(tau, noise=noise) if cfg.joint else contextlib.nullcontext()
             with relax, record_masks(pm) as rec:
                 logits = pm(input_ids=ids).logits
-            cap = relaxed_capacity(routers, rec, cost)
+            cap = env.global_capacity(relaxed_capacity(routers, rec, cost))
         loss_kd = kd_loss(logits, t_logits)
         loss_lm = lm_loss(logits, ids) if cfg.lm_weight > 0 else loss_kd.new_zeros(())
         loss_cap = capacity_loss(cap, targets) if cfg.joint else loss_kd.new_zeros(())
         loss = cfg.kd_weight * loss_kd + cfg.lm_weight * loss_lm + cfg.cap_weight * loss_cap
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        loss.backward()  # FSDP averages the adapters' gradients over the ranks; the routers' are averaged here
+        env.reduce_grads_(routers.parameters())
+        env.clip_grad_norm_(params, 1.0)
         opt.step()
-        return {"loss": loss.detach(), "kd": loss_kd.detach(), "lm": loss_lm.detach(),
-                "cap": cap["overall"].detach(), "attn": cap["attn"].detach(), "ffn": cap["ffn"].detach()}
+        return env.mean_scalars({"loss": loss.detach(), "kd": loss_kd.detach(), "lm": loss_lm.detach(),
+                                 "cap": cap["overall"].detach(), "attn": cap["attn"].detach(),
+                                 "ffn": cap["ffn"].detach()})
 
     def sched(step: int) -> dict:
         tau, noise = tau_noise(step)
@@ -200,8 +225,9 @@ def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, grou
         tokens_per_step=cfg.batch_size * cfg.seq_len,
         batches=lambda start: blocks.batches(cfg.batch_size, steps, seed=cfg.seed + 1, start=start),
         step_fn=step_fn, schedule=sched, optimizer=opt,
-        evaluate=HeldoutEval(pm, routers, calib, evalb, targets, calibrated=cfg.joint and cfg.eval_calibrated,
-                             dense_context=lambda: dense_teacher(pm)),
+        evaluate=env.agreed(HeldoutEval(pm, routers, calib, evalb, targets,
+                                        calibrated=cfg.joint and cfg.eval_calibrated,
+                                        dense_context=lambda: dense_teacher(pm))),
         trainables=lambda: _trainables(pm, routers, cfg.joint),
         load_trainables=lambda d: _load_trainables(pm, routers, d),
         eval_every=auto_eval_every(cfg, steps), patience=cfg.patience, log_every=cfg.log_every,
@@ -211,23 +237,33 @@ def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, grou
 def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_dir=None, log=print,
                  progress: bool = True, clock: Clock | None = None, stop_after: int | None = None):
     """Returns (merged model, routers, lora tensors); when the clock's deadline or `stop_after` ends this
-    invocation first: (None, routers, None) with routers.train_status == "paused" (re-run to continue)."""
-    device = next(base_model.parameters()).device
+    invocation first: (None, routers, None) with routers.train_status == "paused" (re-run to continue).
+
+    Under torchrun (a process group of several ranks) the LoRA-wrapped copy of `base_model` is sharded with
+    FSDP2 onto this rank's device (load `base_model` on the CPU); the merged model is built from the gathered
+    adapter on another copy of `base_model`, where `base_model` is."""
+    env = distributed.current()
+    device = env.device if env.active else next(base_model.parameters()).device
     torch.manual_seed(cfg.seed)
     model = copy.deepcopy(base_model)
     model.requires_grad_(False)
     pm = apply_lora(model, cfg.rank, cfg.alpha, dropout=cfg.lora_dropout)
-    lora_params = [p for n, p in pm.named_parameters() if "lora_" in n]
-    for p in lora_params:
-        p.data = p.data.float()  # fp32 adapters (the base may be bf16)
-        p.requires_grad_(True)
-    routers = copy.deepcopy(routers).to(device)
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()  # fp32 adapters (the base may be bf16)
+            p.requires_grad_(True)
+    if env.active:
+        env.shard(pm)  # before attach: the routers stay replicated, outside the FSDP units
+        env.seed(cfg.seed)
+        log, progress = env.main_only(log), progress and env.is_main
+    lora_params = [p for n, p in pm.named_parameters() if "lora_" in n]  # (sharded: the DTensor parameters)
+    routers = env.broadcast_module_(copy.deepcopy(routers).to(device))
     routers.requires_grad_(cfg.joint)
     attach(pm, routers)
     groups = [{"params": lora_params, "base_lr": cfg.lr, "lr": cfg.lr}]
     if cfg.joint:
         groups.append({"params": list(routers.parameters()), "base_lr": cfg.router_lr, "lr": cfg.router_lr})
-    phase = _stage2_phase(pm, routers, blocks, cfg, out_dir, groups)
+    phase = _stage2_phase(pm, routers, blocks, cfg, out_dir, groups, device)
     pm.train()
     try:
         status, st = run_phase(phase, clock, log=log, stop_after=stop_after, progress=progress)
@@ -242,18 +278,26 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
     if cfg.joint and cfg.calibrate:
         calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
         t = cfg.targets(routers)
-        calibrate_offset_(pm, routers, calib, t["overall"], log=log, target_attn=t.get("attn"),
-                          target_ffn=t.get("ffn"))
+        with env.rank0_decisions():  # the same bisection path on every rank
+            calibrate_offset_(pm, routers, calib, t["overall"], log=log, target_attn=t.get("attn"),
+                              target_ffn=t.get("ffn"))
+        env.broadcast_module_(routers)  # every rank returns the routers rank 0 writes
     state = lora_state(pm)
     if out_dir:
         save_lora(pm, Path(out_dir) / "lora.safetensors")
-        routers.save(Path(out_dir) / "routers.safetensors")
-        (Path(out_dir) / "stage2.json").write_text(json.dumps({"config": asdict(cfg), "history": st.curve["train"][-50:],
-                                                               "best_step": st.best_step, "best_ppl": st.best_ppl}))
-    for n, p in pm.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.to(next(base_model.parameters()).dtype)
-    merged = pm.merge_and_unload()
+        if env.is_main:
+            routers.save(Path(out_dir) / "routers.safetensors")
+            summary = {"config": asdict(cfg), "history": st.curve["train"][-50:], "best_step": st.best_step,
+                       "best_ppl": st.best_ppl}
+            (Path(out_dir) / "stage2.json").write_text(json.dumps(summary))
+    env.barrier()
+    if env.active:  # the sharded model cannot be merged in place: merge the gathered adapter into a copy
+        merged = merge_lora(copy.deepcopy(base_model), state, cfg.rank, cfg.alpha, TARGETS)
+    else:
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(next(base_model.parameters()).dtype)
+        merged = pm.merge_and_unload()
     merged.requires_grad_(False)
     merged.train_history = st.curve["train"]
     return merged, routers, state
@@ -264,34 +308,42 @@ def main(argv=None):
     import time
 
     from .data import TokenBlocks
-    from .options import add_config_args, config_from_args, fast_cuda, real_model_and_tokens, smoke_model_and_tokens
+    from .options import (add_config_args, config_from_args, fast_cuda, model_dtype, real_model_and_tokens,
+                          smoke_model_and_tokens, training_device)
 
     t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage2",
-                                 description="Stage 2: LoRA with fixed (or jointly trained) routers")
+                                 description="Stage 2: LoRA with fixed (or jointly trained) routers. On N GPUs: "
+                                             "torchrun --nproc-per-node N -m wide_compile.training stage2 ... "
+                                             "(FSDP2; --batch-size is the global batch)")
     ap.add_argument("--routers", required=True, help="stage-1 routers .safetensors")
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", default=None)
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--gguf", default=None)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="under torchrun: cuda (each process its own GPU) or cpu")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
+    ap.add_argument("--stop-after-steps", type=int, default=None,
+                    help="checkpoint and exit (code 75) after this many training steps in this invocation")
     ap.add_argument("--smoke", action="store_true")
     add_config_args(ap, Stage2Config)
     a = ap.parse_args(argv)
     cfg = config_from_args(a, Stage2Config, skip=())
+    env, device, load_on = training_device(a.device)
     if a.smoke:
-        model, toks = smoke_model_and_tokens(a.device)
+        model, toks = smoke_model_and_tokens(load_on)
         cfg.steps, cfg.seq_len, cfg.batch_size, cfg.epochs = min(cfg.steps, 10), 64, 4, 0
     else:
         fast_cuda()
-        model, toks = real_model_and_tokens(a.device, a.gguf, a.data, a.tokens)
+        model, toks = real_model_and_tokens(load_on, a.gguf, a.data, a.tokens, dtype=model_dtype(device))
     routers = Routers.load(a.routers, model)
     blocks = TokenBlocks(toks, cfg.seq_len)
     clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
-    merged, r, _ = train_stage2(model, routers, blocks, cfg, out_dir=a.out, clock=clock)
+    merged, r, _ = train_stage2(model, routers, blocks, cfg, out_dir=a.out, clock=clock, stop_after=a.stop_after_steps)
     if merged is None:
         return 75
-    print(json.dumps({"lora": str(Path(a.out) / "lora.safetensors")}))
+    if env.is_main:
+        print(json.dumps({"lora": str(Path(a.out) / "lora.safetensors")}))
     return 0
