@@ -9,17 +9,28 @@ import torch
 from torch import nn
 
 from .config import GroupGeometry
+from .passes import RoutingDroppedError
 from .routing import Routers, attach, attached_routers
 
 
 def _is_hf_llama(model: nn.Module) -> bool:
-    from .models.spec import decoder_layers
+    """An HF Llama-family model (routers attach to it); raises UnsupportedModelError for any other transformers
+    model (mixture of experts, GPT-2-style blocks, ...), which the pass could not route either; False for other
+    modules (e.g. gpt-fast style), whose dense graph gets the routers inserted."""
+    from .models.spec import UnsupportedModelError, decoder_layers
 
     try:
         decoder_layers(model)
         return True
-    except ValueError:
+    except UnsupportedModelError:
+        if _is_transformers_model(model):
+            raise
         return False
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    m = getattr(model, "base_model", model)  # peft wrapper
+    return any(getattr(getattr(x, "config", None), "model_type", None) for x in (model, m))
 
 
 def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool | None = None,
@@ -129,7 +140,8 @@ def static_cache(model: nn.Module, batch_size: int, max_cache_len: int):
 class Explanation:
     """What the WIDE passes detected, rewrote and left dense, per compiled graph and per layer."""
     graphs: list = field(default_factory=list)   # GraphReport per Dynamo graph
-    warnings: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # routed blocks kept on the masked reference, and why
+    errors: list = field(default_factory=list)    # routing the pass would drop (optimize raises these)
 
     @property
     def layers(self) -> list[dict]:
@@ -148,9 +160,8 @@ class Explanation:
         return c
 
     def __str__(self) -> str:
-        if not self.graphs:
-            return "WIDE: no graph compiled yet"
-        return "\n".join(str(g) for g in self.graphs)
+        lines = [str(g) for g in self.graphs] + [f"error: {e}" for e in self.errors]
+        return "\n".join(lines) if lines else "WIDE: no graph compiled yet"
 
     __repr__ = __str__
 
@@ -181,8 +192,27 @@ def explain(model: nn.Module, *args, routers: Routers | None = None, **kwargs) -
         opts["routers"] = routers
     fn = torch.compile(model, backend=functools.partial(_backend.wide_backend, **opts),
                        fullgraph=routers is not None)
+    errors = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.no_grad():
-            fn(*args, **kwargs)
-    return Explanation(graphs=out, warnings=[str(w.message) for w in caught if "wide_compile" in str(w.message)])
+        try:
+            with torch.no_grad():
+                fn(*args, **kwargs)
+        except Exception as e:  # Dynamo wraps the backend's error (BackendCompilerFailed)
+            dropped = _find_cause(e, RoutingDroppedError)
+            if dropped is None:
+                raise
+            errors.append(str(dropped))
+    return Explanation(graphs=out, warnings=[str(w.message) for w in caught if "wide_compile" in str(w.message)],
+                       errors=errors)
+
+
+def _find_cause(e: BaseException, cls: type):
+    """`e` or the first exception of type `cls` in its chain (inner_exception / __cause__ / __context__)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, cls):
+            return e
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return None
