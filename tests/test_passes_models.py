@@ -372,3 +372,28 @@ def test_kernel_tuning_reaches_the_rewritten_ops():
     PassManager().run(gm, ex, kernel_tuning=tuning)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__.startswith("wide_")]
     assert len(calls) == 6 and all(tuning in n.args for n in calls)
+
+
+def test_dense_graph_block_that_cannot_be_rewritten_keeps_its_routing():
+    """Form B: routers inserted into a dense graph; an MLP that wide.mlp cannot take (gate with a bias) keeps its
+    routing through the inserted mask multiply (the eager reference's semantics), with a warning, never dense."""
+    model, ref = gptfast_pair(seed=12)
+    torch.manual_seed(13)
+    for m in (model, ref):
+        for layer in m.layers:
+            layer.feed_forward.w1 = nn.Linear(64, 192, bias=True)
+    ref.load_state_dict(model.state_dict())
+    routers = wc.Routers.init(model.spec, CFG, seed=14)
+    ref.ref_routers = routers
+    idx = torch.randint(0, 128, (2, 7))
+    (gm, ex), = capture(model, idx)
+    with pytest.warns(WideFallbackWarning, match="gated MLP at .*keeps its routing.*bias"):
+        ctx = PassManager().run(gm, ex, routers=routers)
+    assert [m.status for m in ctx.mlps] == ["fallback", "fallback"] and op_counts(gm)["wide_mlp_nd"] == 0
+    assert op_counts(gm)["group_masked_nd"] == 2 and op_counts(gm)["wide_o_proj_nd"] == 2
+    with torch.no_grad():
+        expect = ref(idx)
+        model.ref_routers = None
+        dense = model(idx)
+    assert (expect - dense).abs().max() > 1e-3  # the routing changes the result, so dropping it would fail
+    torch.testing.assert_close(run_logits(gm, ex, expect), expect, atol=1e-5, rtol=1e-5)
