@@ -36,6 +36,8 @@ class Arch:
     q_rewritten: bool = True     # q_proj -> wide.q_proj (False: q stays dense, o is rewritten)
     attn_implementation: str = "sdpa"
     warns: str | None = None     # what the warning must say (attn "masked")
+    activation: str = "silu"     # the gate activation wide.mlp runs (at these weight scales gelu and its tanh
+                                 # approximation agree to rounding, so the detected kind is asserted directly)
 
 
 ARCHS = {
@@ -50,10 +52,10 @@ ARCHS = {
     "stablelm": Arch("StableLmConfig"),
     "cohere": Arch("CohereConfig"),
     "phi3": Arch("Phi3Config"),  # fused qkv_proj / gate_up_proj: rewritten through views of the fused weights
-    "gemma": Arch("GemmaConfig", {"head_dim": 16}),  # GeGLU (gelu, tanh approximation)
+    "gemma": Arch("GemmaConfig", {"head_dim": 16}, activation="gelu_tanh"),  # GeGLU
     # transformers runs Gemma2 with eager attention only: attention keeps the masked reference, the MLP is rewritten
     "gemma2": Arch("Gemma2Config", {"head_dim": 16}, attn="masked", attn_implementation="eager",
-                   warns='eager attention.*attn_implementation="sdpa"'),
+                   warns='eager attention.*attn_implementation="sdpa"', activation="gelu_tanh"),
 }
 
 
@@ -118,7 +120,7 @@ def test_arch_compiled_exact_against_eager_and_oracle(name):
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
     # 2. what the pass did, and why where it did not rewrite
     (row,) = wc.explain(cm).layers
-    assert row["mlp"]["status"] == "rewritten"
+    assert row["mlp"]["status"] == "rewritten" and row["mlp"]["activation"] == arch.activation, row["mlp"]
     if arch.attn == "rewritten":
         assert row["attn"]["status"] == "rewritten" and row["attn"]["q_rewritten"] == arch.q_rewritten, row["attn"]
         assert not ours, ours
@@ -202,6 +204,11 @@ def test_explain_reports_dropped_routing_and_masked_reference():
     ex = wc.explain(model, torch.randint(0, 128, (1, 6)), routers=routers)
     assert len(ex.errors) == 1 and "2 attention block(s) and 2 gated MLP(s)" not in ex.errors[0]
     assert "0 attention block(s) and 2 gated MLP(s)" in ex.errors[0] and "error: " in str(ex)
+    # through optimize: the same error at the first call, with the backend named, not its options printed
+    cm = wc.optimize(model, routers, inductor=False)
+    with pytest.raises(Exception, match="backend='wide' raised:\nRoutingDroppedError") as e, torch.no_grad():
+        cm(torch.randint(0, 128, (1, 6)))
+    assert "Routers(" not in str(e.value)
 
     gemma2 = tiny("gemma2")
     wc.attach(gemma2, wc.Routers.init(gemma2, CFG))

@@ -397,3 +397,19 @@ def test_dense_graph_block_that_cannot_be_rewritten_keeps_its_routing():
         dense = model(idx)
     assert (expect - dense).abs().max() > 1e-3  # the routing changes the result, so dropping it would fail
     torch.testing.assert_close(run_logits(gm, ex, expect), expect, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_gate_activation_warns():
+    """A gated MLP whose activation wide.mlp does not compute (ReLU) keeps its routing on the masked reference,
+    with a warning naming the activation and what is supported; the result is exact."""
+    model = tiny_model("llama", hidden_act="relu")
+    wc.attach(model, wc.Routers.init(model, CFG, seed=9))
+    ids = torch.randint(0, 128, (1, 5))
+    (gm, ex), = capture(model, input_ids=ids)
+    with pytest.warns(WideFallbackWarning, match=r"gated MLP at %\S+ .*masked reference.*gate activation \(\S*relu"
+                      r"\S*\) is not one wide.mlp computes.*silu.*gelu"):
+        ctx = PassManager().run(gm, ex)
+    assert op_counts(gm)["wide_mlp_nd"] == 0 and op_counts(gm)["wide_o_proj_nd"] == 2 and not ctx.mlps
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+    torch.testing.assert_close(run_logits(gm, ex, expect), expect, atol=1e-5, rtol=1e-5)

@@ -58,8 +58,6 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
-    from . import backend as _backend
-
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 
@@ -104,9 +102,18 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     if gen_cfg is not None and hasattr(gen_cfg, "disable_compile"):
         # generate() would otherwise wrap the already compiled model in a second (plain Inductor) compile
         gen_cfg.disable_compile = True
-    model.compile(backend=functools.partial(_backend.wide_backend, **backend_opts), dynamic=dynamic,
-                  fullgraph=fullgraph)
+    model.compile(backend=_backend_fn(**backend_opts), dynamic=dynamic, fullgraph=fullgraph)
     return model
+
+
+def _backend_fn(**opts):
+    """The wide backend with its options bound, named "wide": Dynamo names a backend in its errors by __name__,
+    and a bare functools.partial would print every option (the whole Routers module among them)."""
+    from . import backend as _backend
+
+    fn = functools.partial(_backend.wide_backend, **opts)
+    fn.__name__ = "wide"
+    return fn
 
 
 def cache_arg_name(model: nn.Module) -> str:
@@ -176,8 +183,6 @@ def explain(model: nn.Module, *args, routers: Routers | None = None, **kwargs) -
     reports = getattr(model, "_wide_reports", None)
     if reports and not args and not kwargs and routers is None:
         return Explanation(graphs=list(reports))
-    from . import backend as _backend
-
     if routers is None and attached_routers(model) is None:
         raise ValueError(f"{type(model).__name__} has no WIDE routers: pass routers=... or attach them first")
     if not args and not kwargs:
@@ -190,8 +195,7 @@ def explain(model: nn.Module, *args, routers: Routers | None = None, **kwargs) -
             raise ValueError("explain(model, routers=...) on an HF model: attach the routers first "
                              "(wide_compile.attach) so the traced graph matches optimize()")
         opts["routers"] = routers
-    fn = torch.compile(model, backend=functools.partial(_backend.wide_backend, **opts),
-                       fullgraph=routers is not None)
+    fn = torch.compile(model, backend=_backend_fn(**opts), fullgraph=routers is not None)
     errors = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

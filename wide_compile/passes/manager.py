@@ -72,8 +72,8 @@ _EAGER_ATTN = {torch.matmul, torch.bmm, torch.softmax, torch.nn.functional.softm
 
 def _leftover_hint(ctx: PassContext, inner: fx.Node) -> tuple[str, str, str]:
     """(block, why, fix) for a routed linear whose input `inner` (before the mask multiply) was not matched."""
-    seen, frontier = set(), [inner]
-    for _ in range(12):  # a few ops back: an eager attention's matmul / softmax, or a gate's activation
+    seen, frontier = {inner}, [inner]
+    for _ in range(12):  # a few ops back, within the block (never past a linear): an eager attention's matmul
         nxt = []
         for f in frontier:
             if is_call(f, _EAGER_ATTN, ("softmax", "matmul", "bmm")):
@@ -81,16 +81,18 @@ def _leftover_hint(ctx: PassContext, inner: fx.Node) -> tuple[str, str, str]:
                         "scaled_dot_product_attention",
                         'load the model with attn_implementation="sdpa" (where transformers offers it for the '
                         "architecture; a model it runs only with eager attention keeps the masked reference)")
-            nxt += [a for a in f.all_input_nodes if a not in seen]
-            seen.update(f.all_input_nodes)
+            if not is_linear(f):
+                nxt += [a for a in f.all_input_nodes if a not in seen]
+                seen.update(f.all_input_nodes)
         frontier = nxt
     if is_mul(inner) and any(is_linear(a) or any(is_linear(b) for b in getattr(a, "all_input_nodes", ()))
                              for a in inner.args):
         acts = [a for a in inner.args if isinstance(a, fx.Node) and not is_linear(a)]
-        act = f" ({acts[0].target})" if acts else ""
+        act = f" ({getattr(acts[0].target, '__name__', acts[0].target)})" if acts else ""
         return ("gated MLP", f"its gate activation{act} is not one wide.mlp computes",
                 "use a silu (SwiGLU) or gelu / gelu-tanh (GeGLU) gate: those are the activations wide.mlp supports")
-    notes = "; ".join(f"{w} at {describe(nd)}: {why}" for w, nd, why in ctx.unmatched_nodes) or "no block matched"
+    near = [u for u in ctx.unmatched_nodes if u[1] in seen] or ctx.unmatched_nodes
+    notes = "; ".join(f"{w} at {describe(nd)}: {why}" for w, nd, why in near) or "no block matched"
     return ("routed linear", f"its input is group-masked but the block around it was not recognised ({notes})",
             "the pass matches q/k/v linears -> scaled_dot_product_attention -> o linear and act(gate) * up -> "
             "down linear")
@@ -101,10 +103,11 @@ def _summarise(ctx: PassContext) -> None:
     for m in ctx.mlps:
         detail = ""
         if m.groups:
-            detail = f"G={m.groups} x {m.group_size} channels, {m.form} input"
+            detail = f"G={m.groups} x {m.group_size} channels, {m.activation} gate, {m.form} input"
         if m.reason:
             detail += ("; " if detail else "") + m.reason
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
+                      "activation": m.activation,
                       "group_size": m.group_size, "detail": detail,
                       "nodes": {k: getattr(m, k).name for k in ("gate", "up", "down")}})
     for a in ctx.attns:
