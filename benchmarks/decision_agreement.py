@@ -71,7 +71,7 @@ def compare(eager: dict, compiled: dict, logits: dict) -> dict:
             "first_disagreement": first, "per_layer": per_layer}
 
 
-def run_dtype(name: str, dtype, ids_of, routers_name: str, device: str) -> dict:
+def run_dtype(name: str, dtype, ids_of, routers_name: str, device: str, patches: dict) -> dict:
     from wide_compile.models import load_smollm2
 
     model, tok = load_smollm2(dtype=dtype, device=device)
@@ -82,7 +82,7 @@ def run_dtype(name: str, dtype, ids_of, routers_name: str, device: str) -> dict:
     t0 = time.time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wc.optimize(model)
+        wc.optimize(model, **patches)
         compiled = record(model, ids)
     out = compare(eager, compiled, logits)
     out["compile_and_run_s"] = round(time.time() - t0, 1)
@@ -92,6 +92,10 @@ def run_dtype(name: str, dtype, ids_of, routers_name: str, device: str) -> dict:
     return out
 
 
+def _value(v: str):
+    return {"1": True, "0": False, "true": True, "false": False}.get(v.lower(), v)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="fp32,bf16")
@@ -99,7 +103,11 @@ def main(argv=None):
     p.add_argument("--routers", default="smollm2-135m-c50")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", default=None, help="data root (default: wide_compile.paths.data_root())")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="an Inductor config patch passed through optimize (e.g. emulate_precision_casts=1: "
+                        "Inductor rounds intermediates to their dtype the way eager does); repeatable")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "decision-agreement"))
+    p.add_argument("--name", default="decision-agreement", help="the record's file name (without .json)")
     a = p.parse_args(argv)
     from wide_compile.eval.perplexity import wikitext2_path
     from wide_compile.paths import data_root
@@ -109,13 +117,15 @@ def main(argv=None):
     def ids_of(tok):
         return tok(text, return_tensors="pt").input_ids[:, : a.tokens]
 
+    patches = {k: _value(v) for k, v in (kv.split("=", 1) for kv in a.inductor)}
     result = {}
     for name in a.dtypes.split(","):
         torch._dynamo.reset()
-        result[name] = run_dtype(name, DTYPES[name], ids_of, a.routers, a.device)
-    rec = make_record("decision-agreement", result, command=command_line(argv, "python benchmarks/decision_agreement.py"),
+        result[name] = run_dtype(name, DTYPES[name], ids_of, a.routers, a.device, patches)
+    rec = make_record(a.name, result, command=command_line(argv, "python benchmarks/decision_agreement.py"),
                       models={"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)", "routers": a.routers},
-                      settings={"tokens": a.tokens, "text": "WikiText-2 test, first tokens", "device": a.device},
+                      settings={"tokens": a.tokens, "text": "WikiText-2 test, first tokens", "device": a.device,
+                                "inductor_patches": patches},
                       device=a.device)
     print("wrote", write_record(a.out, rec))
 

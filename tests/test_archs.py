@@ -238,3 +238,16 @@ def _eager_attention(self, x, freqs_cis, route=None):
     if mask is not None:
         y = _group_mask(y, mask)
     return self.wo(y)
+
+
+def test_residual_routers_read_the_mlp_input_norm_of_gemma2():
+    """router_input="residual": the FFN router reads the residual stream before the MLP's own norm, which in
+    Gemma2 is pre_feedforward_layernorm (its post_attention_layernorm norms the attention output)."""
+    from wide_compile.routing.attach import _route_points
+
+    layer = tiny("gemma2").model.layers[0]
+    assert _route_points(layer, 0, "residual") == (layer.input_layernorm, layer.pre_feedforward_layernorm)
+    llama = tiny("llama").model.layers[0]
+    assert _route_points(llama, 0, "residual") == (llama.input_layernorm, llama.post_attention_layernorm)
+    phi3 = tiny("phi3").model.layers[0]
+    assert _route_points(phi3, 0, "normed") == (phi3.self_attn.qkv_proj, phi3.mlp.gate_up_proj)
