@@ -7,15 +7,16 @@ q's input and the FFN router on gate's input (router_input "normed"), or on the 
 feeds them (router_input "residual": the residual stream before the block's norm); what is inserted is
 the router's own graph form (`router.graph_form()`: the mask function of routing/router_fns and its
 tensors, which become graph constants via get_attr).
-The number of detected layers must equal routers.spec.num_layers, otherwise routing would be ambiguous:
-ValueError.
+The number of detected attention blocks and MLPs must each equal routers.spec.num_layers: fewer would drop
+the routing of the blocks not found, more would make routing by layer order ambiguous (RoutingDroppedError,
+naming the candidates the detectors did not match and what the pass needs).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import fx
-
-import warnings
 
 from ._graph import describe, is_call, is_mul, last_dim, meta, static_rows
 from .base import Pass, PassContext, RoutingDroppedError, WideFallbackWarning, log
@@ -107,8 +108,9 @@ def _check_every_layer_found(ctx: PassContext, L: int) -> None:
     na, nm = len(ctx.attns), len(ctx.mlps)
     if na == L and nm == L:
         return
+    what = "some routers would be dropped" if min(na, nm) < L else "routing by layer order is ambiguous"
     lines = [f"wide_compile: routers for {L} layers were given, but the graph holds {na} attention block(s) and "
-             f"{nm} gated MLP(s) the pass can route; compiling on would drop the routing of"]
+             f"{nm} gated MLP(s) the pass can route ({what}):"]
     for kind, found in (("attention", na), ("MLP", nm)):
         if found != L:
             lines.append(f"  the {kind} blocks: {found} found for {L} layers (layers count in graph order)")
