@@ -63,7 +63,7 @@ def check(out, ref, dtype):
     assert e <= TOL[dtype], e
 
 
-def mlp_case(T, D, G, gs, density, dtype, config, seed=0):
+def mlp_case(T, D, G, gs, density, dtype, config, seed=0, act="silu"):
     gen = torch.Generator().manual_seed(seed)
     F = G * gs
     x = torch.randn(T, D, generator=gen).to(dtype)
@@ -72,13 +72,13 @@ def mlp_case(T, D, G, gs, density, dtype, config, seed=0):
     wd = (torch.randn(F, D, generator=gen) / F ** 0.5).to(dtype)
     m = make_mask(T, G, density, gen)
     x, wg, wu, wd, m = on_dev(x, wg, wu, wd, m)
-    out = mlp_triton(x, wg, wu, wd, m, gs, config=config)
+    out = mlp_triton(x, wg, wu, wd, m, gs, config=config, act=act)
     assert out.shape == (T, D) and out.dtype == dtype
     if dtype == torch.float32:
-        ref = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs)
+        ref = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs, act)
     else:  # same intermediate rounding as the kernel (h in bf16), fp64 math otherwise
-        ref = R.mlp_ref(x, wg, wu, wd, m, gs).double()
-        ref64 = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs)
+        ref = R.mlp_ref(x, wg, wu, wd, m, gs, act).double()
+        ref64 = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs, act)
         check(out, ref64, dtype)
     check(out, ref, dtype)
     if not m.any():
@@ -100,6 +100,25 @@ def test_mlp_paths_group_sizes(T, gs, path):
     G = max(2, 128 // gs)
     cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}
     mlp_case(T, D=40, G=G, gs=gs, density=0.5, dtype=torch.float32, config=cfg, seed=T + gs)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down", "dense"])
+@pytest.mark.parametrize("dtype,T", [(torch.float32, 3), (torch.float32, 37), (torch.bfloat16, 37)])
+def test_mlp_geglu_activations(T, dtype, path, act):
+    """GeGLU (Gemma): the gate activation is a parameter of every path, checked against the float64 reference
+    (whose gelu is torch's, an independent implementation of the kernels' erf / tanh formulas)."""
+    cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}
+    out = mlp_case(T, D=40, G=4, gs=24, density=0.5, dtype=dtype, config=cfg, seed=T, act=act)
+    silu = mlp_case(T, D=40, G=4, gs=24, density=0.5, dtype=dtype, config=cfg, seed=T)
+    assert rel(out, silu) > 0.05  # the activation really changes the result (well beyond the tolerances)
+
+
+def test_mlp_unknown_activation_is_an_error():
+    x = torch.randn(2, 8)
+    w = torch.randn(16, 8)
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        mlp_triton(x, w, w, w, torch.ones(2, 2, dtype=torch.bool), 8, act="relu")
 
 
 @pytest.mark.parametrize("cfg", [

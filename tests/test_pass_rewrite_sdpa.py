@@ -37,7 +37,7 @@ def test_decode_reads_the_cache_through_attn_decode(head_group_size):
     ids, nxt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 1))
     model = tiny_model("llama")
     r = _routers(model, head_group_size)
-    got = _prefill_then_decode(wc.optimize(model, r), ids, nxt)
+    got = _prefill_then_decode(wc.optimize(model, r, sparse_attention=True), ids, nxt)
     assert counters["wide"]["rewrite_sdpa.decode"] == 2        # both layers of the decode graph
     ref_model = tiny_model("llama")
     wc.attach(ref_model, r)
@@ -70,7 +70,7 @@ def test_causal_prefill_runs_attn_prefill():
         m.config._attn_implementation = "wide_test_unpadded"
     r = _routers(model, 2)
     with torch.no_grad():
-        got = wc.optimize(model, r)(ids, use_cache=False).logits
+        got = wc.optimize(model, r, sparse_attention=True)(ids, use_cache=False).logits
     assert counters["wide"]["rewrite_sdpa.prefill"] == 2
     wc.attach(ref_model, r)
     with torch.no_grad():
@@ -85,10 +85,18 @@ def test_groups_straddling_kv_heads_keep_sdpa_dense():
     ids, nxt = torch.randint(0, 100, (1, 5)), torch.randint(0, 100, (1, 1))
     model = tiny_model("llama", **kw)
     r = _routers(model, 2)                                    # 3 query heads per KV head, groups of 2
-    got = _prefill_then_decode(wc.optimize(model, r), ids, nxt)
+    got = _prefill_then_decode(wc.optimize(model, r, sparse_attention=True), ids, nxt)
     assert counters["wide"]["rewrite_sdpa.decode"] == 0 and counters["wide"]["rewrite_sdpa.kept_dense"] >= 2
     assert "straddle KV heads" in str(wc.explain(model))
     ref_model = tiny_model("llama", **kw)
     wc.attach(ref_model, r)
     for g, w in zip(got, _prefill_then_decode(ref_model, ids, nxt)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_attention_is_opt_in():
+    from wide_compile.passes.manager import default_passes
+    from wide_compile.passes.rewrite_sdpa import RewriteSDPA
+
+    assert not any(isinstance(p, RewriteSDPA) for p in default_passes())
+    assert isinstance(default_passes(sparse_attention=True)[-1], RewriteSDPA)

@@ -292,12 +292,19 @@ def test_q_path_mixing_heads_keeps_q_dense():
 
 
 def test_fallback_warns_and_stays_exact():
-    """gate/up with bias (mlp_bias=True) cannot go to wide.mlp: dense + warning naming the subgraph."""
+    """gate/up with bias (mlp_bias=True) cannot go to wide.mlp: the masked reference + a warning naming the
+    layer and the subgraph, why, and how to get the kernels; strict=True raises, claiming no fallback."""
     model = tiny_model("llama", mlp_bias=True)
     wc.attach(model, wc.Routers.init(model, CFG, seed=7))
     ids = torch.randint(0, 128, (1, 6))
     (gm, ex), = capture(model, input_ids=ids)
-    with pytest.warns(WideFallbackWarning, match=r"SwiGLU MLP at %\S+ .*left dense"):
+    with pytest.raises(ValueError, match=r"strict=True\): layer 0: gated MLP at %\S+ .*cannot run on the WIDE "
+                       r"kernels: .*bias.*To rewrite it: use bias-free") as e:
+        PassManager().run(gm, ex, strict=True)
+    assert "masked reference" not in str(e.value) and "dense" not in str(e.value)
+    (gm, ex), = capture(model, input_ids=ids)
+    with pytest.warns(WideFallbackWarning, match=r"layer 0: gated MLP at %\S+ .*keeps its routing but runs the "
+                      r"masked reference.*bias.*For the WIDE kernels: use bias-free"):
         ctx = PassManager().run(gm, ex)
     assert op_counts(gm)["wide_mlp_nd"] == 0 and op_counts(gm)["wide_o_proj_nd"] == 2
     assert [m.status for m in ctx.mlps] == ["fallback", "fallback"]
@@ -307,14 +314,17 @@ def test_fallback_warns_and_stays_exact():
 
 
 def test_unrecognised_attention_warns():
-    """Eager (non-sdpa) attention: the masked o_proj is not recognised -> warning, exact dense result."""
+    """Eager (non-sdpa) attention: the masked o_proj is not recognised -> a warning that says why and how to get
+    the fast path (attn_implementation="sdpa"), exact masked-reference result."""
     model = tiny_model("llama", attn_implementation="eager")
     model.config._attn_implementation = "eager"
     wc.attach(model, wc.Routers.init(model, CFG, seed=8))
     ids = torch.randint(0, 128, (1, 5))
     (gm, ex), = capture(model, input_ids=ids)
-    with pytest.warns(WideFallbackWarning, match="routed linear"):
-        PassManager().run(gm, ex)
+    with pytest.warns(WideFallbackWarning, match=r"attention at %\S+ .*masked reference.*eager attention.*"
+                      r'attn_implementation="sdpa"'):
+        ctx = PassManager().run(gm, ex)
+    assert len(ctx.report.fallbacks) == 2 and "masked reference" in str(ctx.report)
     assert op_counts(gm)["wide_mlp_nd"] == 2 and op_counts(gm)["wide_o_proj_nd"] == 0
     with torch.no_grad():
         expect = model(input_ids=ids).logits
@@ -332,7 +342,7 @@ def test_layer_count_mismatch_is_an_error():
     model, _ = gptfast_pair()
     spec3 = ModelSpec(3, 64, 192, 4, 2, 16)
     (gm, ex), = capture(model, torch.randint(0, 128, (1, 4)))
-    with pytest.raises(ValueError, match="routers are for 3 layers"):
+    with pytest.raises(wc.passes.RoutingDroppedError, match="routers for 3 layers were given"):
         PassManager().run(gm, ex, routers=wc.Routers.init(spec3, CFG))
 
 
@@ -361,4 +371,45 @@ def test_kernel_tuning_reaches_the_rewritten_ops():
     tuning = table_for().with_overrides(decode={"lists": "none"}).to_json()
     PassManager().run(gm, ex, kernel_tuning=tuning)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__.startswith("wide_")]
-    assert len(calls) == 6 and all(n.args[-1] == tuning for n in calls)
+    assert len(calls) == 6 and all(tuning in n.args for n in calls)
+
+
+def test_dense_graph_block_that_cannot_be_rewritten_keeps_its_routing():
+    """Form B: routers inserted into a dense graph; an MLP that wide.mlp cannot take (gate with a bias) keeps its
+    routing through the inserted mask multiply (the eager reference's semantics), with a warning, never dense."""
+    model, ref = gptfast_pair(seed=12)
+    torch.manual_seed(13)
+    for m in (model, ref):
+        for layer in m.layers:
+            layer.feed_forward.w1 = nn.Linear(64, 192, bias=True)
+    ref.load_state_dict(model.state_dict())
+    routers = wc.Routers.init(model.spec, CFG, seed=14)
+    ref.ref_routers = routers
+    idx = torch.randint(0, 128, (2, 7))
+    (gm, ex), = capture(model, idx)
+    with pytest.warns(WideFallbackWarning, match="gated MLP at .*keeps its routing.*bias"):
+        ctx = PassManager().run(gm, ex, routers=routers)
+    assert [m.status for m in ctx.mlps] == ["fallback", "fallback"] and op_counts(gm)["wide_mlp_nd"] == 0
+    assert op_counts(gm)["group_masked_nd"] == 2 and op_counts(gm)["wide_o_proj_nd"] == 2
+    with torch.no_grad():
+        expect = ref(idx)
+        model.ref_routers = None
+        dense = model(idx)
+    assert (expect - dense).abs().max() > 1e-3  # the routing changes the result, so dropping it would fail
+    torch.testing.assert_close(run_logits(gm, ex, expect), expect, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_gate_activation_warns():
+    """A gated MLP whose activation wide.mlp does not compute (ReLU) keeps its routing on the masked reference,
+    with a warning naming the activation and what is supported; the result is exact."""
+    model = tiny_model("llama", hidden_act="relu")
+    wc.attach(model, wc.Routers.init(model, CFG, seed=9))
+    ids = torch.randint(0, 128, (1, 5))
+    (gm, ex), = capture(model, input_ids=ids)
+    with pytest.warns(WideFallbackWarning, match=r"gated MLP at %\S+ .*masked reference.*gate activation \(\S*relu"
+                      r"\S*\) is not one wide.mlp computes.*silu.*gelu"):
+        ctx = PassManager().run(gm, ex)
+    assert op_counts(gm)["wide_mlp_nd"] == 0 and op_counts(gm)["wide_o_proj_nd"] == 2 and not ctx.mlps
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+    torch.testing.assert_close(run_logits(gm, ex, expect), expect, atol=1e-5, rtol=1e-5)

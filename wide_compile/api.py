@@ -9,17 +9,28 @@ import torch
 from torch import nn
 
 from .config import GroupGeometry
+from .passes import RoutingDroppedError
 from .routing import Routers, attach, attached_routers
 
 
 def _is_hf_llama(model: nn.Module) -> bool:
-    from .models.spec import decoder_layers
+    """An HF Llama-family model (routers attach to it); raises UnsupportedModelError for any other transformers
+    model (mixture of experts, GPT-2-style blocks, ...), which the pass could not route either; False for other
+    modules (e.g. gpt-fast style), whose dense graph gets the routers inserted."""
+    from .models.spec import UnsupportedModelError, decoder_layers
 
     try:
         decoder_layers(model)
         return True
-    except ValueError:
+    except UnsupportedModelError:
+        if _is_transformers_model(model):
+            raise
         return False
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    m = getattr(model, "base_model", model)  # peft wrapper
+    return any(getattr(getattr(x, "config", None), "model_type", None) for x in (model, m))
 
 
 def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool | None = None,
@@ -47,8 +58,6 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
-    from . import backend as _backend
-
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 
@@ -93,9 +102,18 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     if gen_cfg is not None and hasattr(gen_cfg, "disable_compile"):
         # generate() would otherwise wrap the already compiled model in a second (plain Inductor) compile
         gen_cfg.disable_compile = True
-    model.compile(backend=functools.partial(_backend.wide_backend, **backend_opts), dynamic=dynamic,
-                  fullgraph=fullgraph)
+    model.compile(backend=_backend_fn(**backend_opts), dynamic=dynamic, fullgraph=fullgraph)
     return model
+
+
+def _backend_fn(**opts):
+    """The wide backend with its options bound, named "wide": Dynamo names a backend in its errors by __name__,
+    and a bare functools.partial would print every option (the whole Routers module among them)."""
+    from . import backend as _backend
+
+    fn = functools.partial(_backend.wide_backend, **opts)
+    fn.__name__ = "wide"
+    return fn
 
 
 def cache_arg_name(model: nn.Module) -> str:
@@ -129,7 +147,8 @@ def static_cache(model: nn.Module, batch_size: int, max_cache_len: int):
 class Explanation:
     """What the WIDE passes detected, rewrote and left dense, per compiled graph and per layer."""
     graphs: list = field(default_factory=list)   # GraphReport per Dynamo graph
-    warnings: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # routed blocks kept on the masked reference, and why
+    errors: list = field(default_factory=list)    # routing the pass would drop (optimize raises these)
 
     @property
     def layers(self) -> list[dict]:
@@ -148,9 +167,8 @@ class Explanation:
         return c
 
     def __str__(self) -> str:
-        if not self.graphs:
-            return "WIDE: no graph compiled yet"
-        return "\n".join(str(g) for g in self.graphs)
+        lines = [str(g) for g in self.graphs] + [f"error: {e}" for e in self.errors]
+        return "\n".join(lines) if lines else "WIDE: no graph compiled yet"
 
     __repr__ = __str__
 
@@ -165,8 +183,6 @@ def explain(model: nn.Module, *args, routers: Routers | None = None, **kwargs) -
     reports = getattr(model, "_wide_reports", None)
     if reports and not args and not kwargs and routers is None:
         return Explanation(graphs=list(reports))
-    from . import backend as _backend
-
     if routers is None and attached_routers(model) is None:
         raise ValueError(f"{type(model).__name__} has no WIDE routers: pass routers=... or attach them first")
     if not args and not kwargs:
@@ -179,10 +195,28 @@ def explain(model: nn.Module, *args, routers: Routers | None = None, **kwargs) -
             raise ValueError("explain(model, routers=...) on an HF model: attach the routers first "
                              "(wide_compile.attach) so the traced graph matches optimize()")
         opts["routers"] = routers
-    fn = torch.compile(model, backend=functools.partial(_backend.wide_backend, **opts),
-                       fullgraph=routers is not None)
+    fn = torch.compile(model, backend=_backend_fn(**opts), fullgraph=routers is not None)
+    errors = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.no_grad():
-            fn(*args, **kwargs)
-    return Explanation(graphs=out, warnings=[str(w.message) for w in caught if "wide_compile" in str(w.message)])
+        try:
+            with torch.no_grad():
+                fn(*args, **kwargs)
+        except Exception as e:  # Dynamo wraps the backend's error (BackendCompilerFailed)
+            dropped = _find_cause(e, RoutingDroppedError)
+            if dropped is None:
+                raise
+            errors.append(str(dropped))
+    return Explanation(graphs=out, warnings=[str(w.message) for w in caught if "wide_compile" in str(w.message)],
+                       errors=errors)
+
+
+def _find_cause(e: BaseException, cls: type):
+    """`e` or the first exception of type `cls` in its chain (inner_exception / __cause__ / __context__)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, cls):
+            return e
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return None

@@ -3,7 +3,7 @@
     torch.compile(model, backend="wide")                       # routers attached (wide_compile.attach)
     torch.compile(fn, backend=functools.partial(wide_backend, routers=routers))   # dense graph + routers
 
-Runs the WIDE pass manager on the Dynamo FX graph (before AOT autograd: detect SwiGLU MLP / attention
+Runs the WIDE pass manager on the Dynamo FX graph (before AOT autograd: detect gated MLP / attention
 blocks, insert routers if needed, rewrite into torch.ops.wide.*), then hands the graph to Inductor's
 `compile_fx`, so everything else is standard Inductor (on the CPU too).
 
@@ -14,7 +14,8 @@ Options (keyword arguments, or torch.compile(..., options={...})):
     kernel_config  the WIDE kernels' tile table: a wide_compile.kernels.tuning.KernelTuning (or its JSON / dict), or
                    per-phase overrides {"decode": {...}, "prefill": {...}} on the device's table; default: the
                    device's shipped table (wide_compile/kernels/configs/)
-    strict         raise instead of warning when a block has to stay dense (default False)
+    strict         raise instead of warning when a routed block cannot use the WIDE kernels (default False: it keeps
+                   its routing on the masked reference, with a warning)
     inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
     report         callable receiving the GraphReport of every compiled graph
     mode           torch.compile mode for Inductor ("default", "reduce-overhead", "max-autotune", ...)
@@ -34,7 +35,7 @@ from .passes._ops import missing_ops
 
 log = logging.getLogger("wide_compile.backend")
 
-_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode")
+_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -59,7 +60,7 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     else:
         from .kernels.tuning import as_arg
 
-        ctx = PassManager().run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
+        ctx = PassManager(sparse_attention=bool(own.get("sparse_attention"))).run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                                 geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")))
         if own.get("report") is not None:
             own["report"](ctx.report)

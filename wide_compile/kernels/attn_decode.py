@@ -210,7 +210,7 @@ def attn_decode_triton(q, k, v, head_mask, group_size: int, key_mask: Optional[t
         q3.stride(0), q3.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         hm.stride(0), km.stride(0),
         Hkv=Hkv, n_rep=n_rep, group_size=group_size, D=D, S=S, HAS_KEY_MASK=key_mask is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
         BLOCK_H=BLOCK_H, BLOCK_N=cfg["block_n"], BLOCK_D=BLOCK_D,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -10,7 +10,7 @@ Two generic Triton kernels, shared with the attention projections (compact_attn.
   * sorted mode (SORTED=True): program (b, sub) handles block b of the group-major padded token
     list (``sorted_token_ids``/``block_groups``): an "expert" GEMM with indirect row loads of x,
     N = group size.  Only active (token, group) pairs are computed (prefill, random masks).
-  GATED: out = silu(x W1^T) * (x W2^T); else out = x W1^T + b.
+  GATED: out = act(x W1^T) * (x W2^T), act = silu / gelu / gelu-tanh (ACT 0 / 1 / 2); else out = x W1^T + b.
 
 ``_kskip_kernel`` -- reduction side (down_proj over K=F, o_proj over K=Nq): token-major GEMM,
   program (m, n, s) loops over the groups active for any token of tile m (split s of them when
@@ -39,7 +39,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    GROUP_G: tl.constexpr, LISTS: tl.constexpr):
+                    GROUP_G: tl.constexpr, LISTS: tl.constexpr, ACT: tl.constexpr = 0):
     if SORTED:
         # program -> (group g, k-th block of g's token list), swizzled in super-blocks of GROUP_G
         # groups so that concurrent programs share weights (same g) and x rows (same k range).
@@ -105,7 +105,13 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                 w2 = w2.to(tl.float32)
             acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
     if GATED:
-        y = acc1 * tl.sigmoid(acc1) * acc2
+        if ACT == 0:  # silu
+            y = acc1 * tl.sigmoid(acc1) * acc2
+        elif ACT == 1:  # gelu: x * Phi(x)
+            y = 0.5 * acc1 * (1.0 + tl.math.erf(acc1 * 0.7071067811865476)) * acc2
+        else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
+            z = 0.7978845608028654 * (acc1 + 0.044715 * acc1 * acc1 * acc1)
+            y = acc1 * tl.sigmoid(2.0 * z) * acc2
     else:
         y = acc1
         if HAS_BIAS:
@@ -176,6 +182,10 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
         tl.atomic_add(optr, acc, mask=omask)
     else:
         tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# the _ngather_kernel's ACT constexpr per gate activation (reference.ACTIVATIONS)
+ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -269,9 +279,10 @@ def _tile_lists(cfg, mask8, bm, wrap, lists):
     return True, tg, tc
 
 
-def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap, lists=None):
+def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap, lists=None, act="silu"):
     """Launch the grouped-output kernel; ``out`` [T, G*GS] is written for active pairs
-    (and zeros for inactive tokens of visited groups when zero_inactive)."""
+    (and zeros for inactive tokens of visited groups when zero_inactive). act: the gate activation (gated)."""
+    act_id = ACT_IDS[act]
     T, D = x.shape
     bm, bn, bk = cfg["up_bm"], cfg["up_bn"], cfg["up_bk"]
     nsub = triton.cdiv(GS, bn)
@@ -286,7 +297,7 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], LISTS=True,
-            num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ACT=act_id, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
         use_lists, tg, tc = _tile_lists(cfg, mask8, bm, wrap, lists)
         k[(triton.cdiv(T, bm), G, nsub)](
@@ -294,7 +305,7 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=False, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], LISTS=use_lists,
-            num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ACT=act_id, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
 
 
 def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
@@ -318,9 +329,12 @@ def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
 
 
 def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Optional[dict] = None,
-               tuning=None, wrap: bool = False):
+               tuning=None, wrap: bool = False, act: str = "silu"):
     """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]. `tuning`: the table
-    (tuning.resolve; default the device's), `config`: fields that override its row (sweeps, tests)."""
+    (tuning.resolve; default the device's), `config`: fields that override its row (sweeps, tests), `act`: the
+    gate activation (reference.ACTIVATIONS)."""
+    if act not in ACT_IDS:
+        raise ValueError(f"wide.mlp: unknown activation {act!r}; choose one of {tuple(ACT_IDS)}")
     T, D = x.shape
     F = w_gate.shape[0]
     G = F // group_size
@@ -328,11 +342,12 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
                         tuning=tuning)
     x = x.contiguous()
     if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway
-        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size)
+        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size, act)
     mask8 = _as_uint8(mask)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)
-        ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap)
+        ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,
+                act=act)
         return torch.mm(h, w_down_t)
     h = alloc((T, F), x.dtype, x.device)
     lists = None
@@ -340,5 +355,5 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
         # one mask reorder for both kernels
         lists = tile_lists_triton(mask8, cfg["up_bm"], wrap)
     ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,
-            lists=lists)
+            lists=lists, act=act)
     return kskip(h, w_down_t, None, mask8, G, group_size, cfg, x.dtype, wrap, lists=lists)

@@ -10,14 +10,15 @@ Used where per-token masks leave nothing to skip:
 
 Same semantics as reference.py: inactive groups contribute exactly 0 (a select, never a multiply, so a
 non-finite value in an inactive group cannot leak), h is rounded to the input dtype once, after
-silu(g) * u in fp32, like the Triton kernels.
+act(g) * u in fp32, like the Triton kernels.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+
+from .reference import activation
 
 
 def _select(t: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
@@ -29,11 +30,12 @@ def _select(t: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
     return torch.where(mask.to(torch.bool).reshape(T, G, 1), t.reshape(T, G, group), 0).view(T, N)
 
 
-def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int) -> torch.Tensor:
-    """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]."""
+def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int, act: str = "silu") -> torch.Tensor:
+    """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]; act: the gate activation
+    (reference.ACTIVATIONS)."""
     g = torch.mm(x, w_gate.t())  # [T, F]
     u = torch.mm(x, w_up.t())  # [T, F]
-    h = (F.silu(g.float()) * u.float()).to(x.dtype)
+    h = (activation(g.float(), act) * u.float()).to(x.dtype)
     return torch.mm(_select(h, mask, group_size), w_down_t)
 
 

@@ -26,11 +26,11 @@ def _is_cuda(t: Tensor) -> bool:
 
 
 def _mlp_impl(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, mask: Tensor,
-              group_size: int, tuning: str = "") -> Tensor:
+              group_size: int, tuning: str = "", activation: str = "silu") -> Tensor:
     if _is_cuda(x):
         from .compact_mlp import mlp_triton
-        return mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size, tuning=tuning, wrap=True)
-    return _ref.mlp_ref(x, w_gate, w_up, w_down_t, mask, group_size)
+        return mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size, tuning=tuning, wrap=True, act=activation)
+    return _ref.mlp_ref(x, w_gate, w_up, w_down_t, mask, group_size, activation)
 
 
 def _q_proj_impl(x: Tensor, w_q: Tensor, b_q: Optional[Tensor], mask: Tensor, group_size: int,
@@ -69,14 +69,17 @@ def _flat(t: Tensor, last: int) -> Tensor:
 
 
 def wide_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, mask: Tensor,
-             group_size: int, tuning=None) -> Tensor:
+             group_size: int, tuning=None, activation: str = "silu") -> Tensor:
     """x [..., D]; w_gate, w_up [F, D]; w_down_t [F, D] (= down_proj.weight.T, contiguous);
     mask [..., G] bool with G = F // group_size -> [..., D]. tuning: the kernels' tile table
-    (tuning.resolve; None = the device's shipped table)."""
+    (tuning.resolve; None = the device's shipped table). activation: the gate's, one of
+    reference.ACTIVATIONS ("silu": SwiGLU; "gelu" / "gelu_tanh": GeGLU)."""
+    if activation not in _ref.ACTIVATIONS:
+        raise ValueError(f"wide_mlp: unknown activation {activation!r}; choose one of {_ref.ACTIVATIONS}")
     D = x.shape[-1]
     G = w_gate.shape[0] // group_size
     out = torch.ops.wide.mlp(_flat(x, D), w_gate, w_up, w_down_t, _flat(mask, G).to(torch.bool), int(group_size),
-                          as_arg(tuning))
+                          as_arg(tuning), activation)
     return out.reshape(x.shape)
 
 

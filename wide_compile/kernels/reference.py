@@ -4,7 +4,8 @@ These are the CPU implementations of the ``torch.ops.wide.*`` ops and the test
 oracle for the Triton kernels.  They compute dense and mask afterwards (so
 inactive groups contribute exactly 0), in the input dtype with fp32 accumulation:
 
-* MLP: ``h = silu(x @ Wg^T) * (x @ Wu^T)`` in fp32, rounded to the input dtype
+* MLP: ``h = act(x @ Wg^T) * (x @ Wu^T)`` in fp32 (act: silu, gelu or gelu with the tanh approximation,
+  ``ACTIVATIONS``), rounded to the input dtype
   (the Triton kernels keep ``h`` in the input dtype too), zeroed on inactive
   groups, then ``h @ Wd^T`` accumulated in fp32 and rounded once.
 * q_proj: ``(x @ Wq^T + b)`` in fp32, inactive groups' columns set to exactly 0.
@@ -27,12 +28,27 @@ def expand_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:
     return mask.repeat_interleave(group_size, dim=-1)
 
 
-def mlp_ref(x, w_gate, w_up, w_down_t, mask, group_size: int) -> torch.Tensor:
+# the gate activations of wide.mlp: SwiGLU (Llama, ...) and GeGLU (Gemma: gelu with the tanh approximation)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def activation(g: torch.Tensor, act: str) -> torch.Tensor:
+    """The gate activation `act` (one of ACTIVATIONS) applied to g."""
+    if act == "silu":
+        return F.silu(g)
+    if act == "gelu":
+        return F.gelu(g)
+    if act == "gelu_tanh":
+        return F.gelu(g, approximate="tanh")
+    raise ValueError(f"wide.mlp: unknown activation {act!r}; choose one of {ACTIVATIONS}")
+
+
+def mlp_ref(x, w_gate, w_up, w_down_t, mask, group_size: int, act: str = "silu") -> torch.Tensor:
     acc = _acc_dtype(x.dtype)
     xf = x.to(acc)
     g = xf @ w_gate.to(acc).t()
     u = xf @ w_up.to(acc).t()
-    h = (F.silu(g) * u).to(x.dtype)
+    h = (activation(g, act) * u).to(x.dtype)
     h = torch.where(expand_mask(mask, group_size), h, torch.zeros((), dtype=h.dtype, device=h.device))
     out = h.to(acc) @ w_down_t.to(acc)
     return out.to(x.dtype)

@@ -1,7 +1,8 @@
 """FX passes of the `wide` backend (one pass per file), their shared types (base.py) and their manager."""
-from .base import AttnMatch, GraphReport, MLPMatch, Pass, PassContext, WideFallbackWarning, counters, op_counts
+from .base import (AttnMatch, GraphReport, MLPMatch, Pass, PassContext, RoutingDroppedError, WideFallbackWarning,
+                   counters, op_counts)
 from .insert_routers import NoRoutersError
 from .manager import PassManager, default_passes
 
 __all__ = ["PassManager", "PassContext", "Pass", "GraphReport", "MLPMatch", "AttnMatch", "WideFallbackWarning",
-           "NoRoutersError", "counters", "default_passes", "op_counts"]
+           "RoutingDroppedError", "NoRoutersError", "counters", "default_passes", "op_counts"]

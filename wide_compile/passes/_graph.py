@@ -26,6 +26,12 @@ _PER_HEAD_FNS = {operator.mul, operator.add, operator.sub, operator.neg, operato
                  torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute, torch.narrow,
                  torch.chunk, torch.split, torch.unbind, torch.view_as_complex, torch.view_as_real,
                  torch.Tensor.type_as, torch.Tensor.to}
+# elementwise maths (each element of q depends on that element only), e.g. inside a per-head RMSNorm
+_ELEMENTWISE_METHODS = {"pow", "rsqrt", "sqrt", "square", "reciprocal", "abs", "exp", "tanh", "sigmoid"}
+_ELEMENTWISE_FNS = {torch.pow, torch.rsqrt, torch.sqrt, torch.square, torch.reciprocal, operator.pow}
+# reductions: per head only when they run over the last dimension and that dimension is one head (head_dim)
+_REDUCE_METHODS = {"mean", "sum", "norm", "amax", "var"}
+_REDUCE_FNS = {torch.mean, torch.sum, torch.norm, torch.amax, torch.var, torch.linalg.vector_norm}
 # pure shape plumbing between sdpa and o_proj
 _RESHAPE_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "to", "flatten", "type_as", "clone"}
 _RESHAPE_FNS = {torch.transpose, torch.reshape, torch.permute, torch.flatten}
@@ -68,6 +74,78 @@ def is_meta_use(n: fx.Node) -> bool:
 
 def is_per_head(n: fx.Node) -> bool:
     return is_call(n, _PER_HEAD_FNS, _PER_HEAD_METHODS)
+
+
+def is_elementwise(n: fx.Node) -> bool:
+    return is_call(n, _ELEMENTWISE_FNS, _ELEMENTWISE_METHODS)
+
+
+def reduces_last_dim_only(n: fx.Node) -> int | None:
+    """For a reduction over the last dimension only (mean(-1), sum(dim=-1, keepdim=True), ...): the size of
+    that dimension; None for anything else."""
+    if not is_call(n, _REDUCE_FNS, _REDUCE_METHODS):
+        return None
+    v = meta(n.args[0]) if n.args else None
+    dim = arg(n, 1, "dim")
+    if n.op == "call_function" and n.target in (torch.norm, torch.linalg.vector_norm):
+        dim = arg(n, 2, "dim")
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if v is None or not isinstance(dim, int) or dim not in (-1, v.dim() - 1):
+        return None
+    return _int(v.shape[-1])
+
+
+def _rows_of_slice(idx, width: int | None):
+    """idx of x[idx] when it slices only the last dimension ((..., a:b) or a:b of a 1-d x): (a, b), else None."""
+    if isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis:
+        idx = idx[1]
+    elif not (isinstance(idx, slice) and width is not None):
+        return None
+    if not isinstance(idx, slice) or idx.step not in (None, 1) or width is None:
+        return None
+    a, b = _int(idx.start) if idx.start is not None else 0, _int(idx.stop) if idx.stop is not None else width
+    return (a, min(b, width)) if a is not None and b is not None and 0 <= a < b else None
+
+
+_SPLIT_METHODS, _SPLIT_FNS = {"chunk", "split"}, {torch.chunk, torch.split}
+
+
+def proj_source(n) -> tuple | None:
+    """Where a projection's output comes from: (linear, None) for a linear node, (linear, (a, b)) for output
+    columns a:b of a fused linear (qkv[..., a:b], or an item of chunk / split along the last dimension, as
+    in Phi-3's qkv_proj / gate_up_proj); None otherwise. Rows a:b of the fused weight compute those columns."""
+    if is_linear(n):
+        return n, None
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target is operator.getitem):
+        return None
+    base, idx = n.args[0], n.args[1]
+    if is_linear(base):
+        rows = _rows_of_slice(idx, last_dim(base))
+        return (base, rows) if rows is not None else None
+    if is_call(base, _SPLIT_FNS, _SPLIT_METHODS) and is_linear(base.args[0]) and isinstance(idx, int):
+        lin, width = base.args[0], last_dim(base.args[0])
+        size, dim = arg(base, 1, "split_size_or_sections" if base.target is torch.split else "chunks"), \
+            arg(base, 2, "dim", 0)
+        vb = meta(lin)
+        if width is None or vb is None or dim not in (-1, vb.dim() - 1):
+            return None
+        if base.target in ("chunk", torch.chunk):
+            if not isinstance(size, int) or size <= 0:
+                return None
+            step = -(-width // size)
+            sizes = [min(step, width - i) for i in range(0, width, step)]
+        elif isinstance(size, int):
+            sizes = [min(size, width - i) for i in range(0, width, size)]
+        elif isinstance(size, (list, tuple)) and all(_int(s) is not None for s in size):
+            sizes = list(size)
+        else:
+            return None
+        if not 0 <= idx < len(sizes):
+            return None
+        a = sum(sizes[:idx])
+        return lin, (a, a + sizes[idx])
+    return None
 
 
 def is_reshape(n: fx.Node) -> bool:

@@ -26,10 +26,18 @@ def _flat_mask(mask, lead):
     return mask.expand(*lead, g).reshape(-1, g)
 
 
-def wide_mlp_nd(x, w_gate, w_up, w_down_t, mask, group_size: int, tuning: str = ""):
+def group_masked_nd(x, mask):
+    """The eager reference's group-mask multiply (routing/attach.py _expand): x [..., G*gs] with the columns of
+    the groups inactive in mask [..., G] zeroed. What a dense graph given routers runs where a block cannot
+    use the WIDE kernels, so its routing is kept."""
+    g = mask.shape[-1]
+    return (x.unflatten(-1, (g, x.shape[-1] // g)) * mask.to(x.dtype).unsqueeze(-1)).flatten(-2)
+
+
+def wide_mlp_nd(x, w_gate, w_up, w_down_t, mask, group_size: int, tuning: str = "", activation: str = "silu"):
     lead = x.shape[:-1]
     out = kernels().wide_mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down_t, _flat_mask(mask, lead),
-                             group_size, tuning)
+                             group_size, tuning, activation)
     return out.reshape(*lead, out.shape[-1])
 
 

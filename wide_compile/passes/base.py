@@ -21,9 +21,22 @@ from ._graph import Weights, describe
 
 log = logging.getLogger("wide_compile.passes")
 
+# how to get the WIDE kernels back, per reason a routed block stays on the masked reference
+GROUPING_FIX = ("compile with the routers the graph was traced with (wide_compile.optimize(model, routers), or "
+                "attach them and compile), made for this model (Routers.init(model, cfg))")
+WEIGHTS_FIX = ("keep the projection weights as module parameters / buffers (weights computed in the forward "
+               "cannot be baked into the kernels' layout)")
+
 
 class WideFallbackWarning(UserWarning):
-    """A subgraph the WIDE passes could not handle was left dense (plain Inductor)."""
+    """A routed block keeps its routing but runs the masked reference (every group computed, inactive ones
+    zeroed: exact, at dense cost) instead of the WIDE kernels; the message says why and how to get the fast
+    path."""
+
+
+class RoutingDroppedError(ValueError):
+    """Routers were given for blocks the pass cannot find in the graph: compiling on would drop their routing
+    (a silently dense model), so the pass refuses, naming the layer, the block, the reason and the fix."""
 
 
 def counters() -> Counter:
@@ -56,8 +69,11 @@ class MLPMatch(_BlockForm):
     group_size: int | None = None
     expand_nodes: list = field(default_factory=list)  # the traced mask-multiply nodes (form A)
     layer: int = -1
-    status: str = "detected"            # detected | routed | rewritten | fallback
+    status: str = "detected"            # detected | routed | rewritten | fallback | dense
     reason: str = ""
+    gate_src: tuple | None = None        # (linear, rows a:b of its weight or None): _graph.proj_source
+    up_src: tuple | None = None
+    activation: str = "silu"             # the gate's activation (kernels.reference.ACTIVATIONS)
 
 
 @dataclass
@@ -73,6 +89,7 @@ class AttnMatch(_BlockForm):
     group_size: int | None = None        # q columns / o rows per head group
     expand_nodes: list = field(default_factory=list)
     q_ok: bool = True                    # q -> sdpa path keeps heads separate (q may be rewritten)
+    q_src: tuple | None = None           # (linear, rows a:b of its weight or None): q, or q's part of a fused qkv
     q_reason: str = ""
     layer: int = -1
     status: str = "detected"
@@ -88,7 +105,8 @@ class GraphReport:
     nodes_after: int = 0
     mlp: list = field(default_factory=list)    # one dict per detected MLP (layer order)
     attn: list = field(default_factory=list)
-    fallbacks: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)  # routed blocks kept on the masked reference (warnings)
+    unmatched: list = field(default_factory=list)  # sdpa / linears the detectors looked at and did not match
     counts: Counter = field(default_factory=Counter)
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
@@ -106,14 +124,16 @@ class GraphReport:
 
     def __str__(self) -> str:
         lines = [f"WIDE graph ({self.form}): {self.nodes_before} -> {self.nodes_after} nodes, "
-                 f"{len(self.mlp)} SwiGLU MLP(s), {len(self.attn)} attention block(s)"]
+                 f"{len(self.mlp)} gated MLP(s), {len(self.attn)} attention block(s)"]
         for r in self.layers():
             a, m = r["attn"], r["mlp"]
             sa = "-" if a is None else f"{a['status']}" + (f" [{a['detail']}]" if a.get("detail") else "")
             sm = "-" if m is None else f"{m['status']}" + (f" [{m['detail']}]" if m.get("detail") else "")
             lines.append(f"  layer {r['layer']:3d}: attention {sa}; mlp {sm}")
         for f in self.fallbacks:
-            lines.append(f"  fallback: {f}")
+            lines.append(f"  masked reference: {f}")
+        for u in self.unmatched:
+            lines.append(f"  not matched: {u}")
         return "\n".join(lines)
 
 
@@ -143,6 +163,7 @@ class PassContext:
         self.mlps: list[MLPMatch] = []
         self.attns: list[AttnMatch] = []
         self.report = GraphReport()
+        self.unmatched_nodes: list[tuple[str, fx.Node | None, str]] = []
 
     def count(self, key: str, n: int = 1) -> None:
         if n:
@@ -160,19 +181,43 @@ class PassContext:
             return f"{groups} groups x {group_size} in the graph, but the routers' geometry is {g} x {gs}"
         return None
 
-    def fallback(self, what: str, node: fx.Node | None, why: str, match=None) -> None:
-        """Leave a subgraph dense with a warning naming it (or raise in strict mode); `match` (an MLPMatch /
-        AttnMatch) is marked as fallen back with `why` as its reason."""
+    def fallback(self, what: str, node: fx.Node | None, why: str, fix: str, match=None) -> None:
+        """A routed block that keeps its routing on the masked reference (exact, dense cost): warn naming it,
+        why and how to get the WIDE kernels (strict mode: raise, with a text that claims no fallback).
+        `match` (an MLPMatch / AttnMatch) is marked "fallback" with `why` as its reason."""
+        layer = getattr(match, "layer", -1)
+        where = (f"layer {layer}: " if layer is not None and layer >= 0 else "") + f"{what} at {describe(node)}"
         if match is not None:
             match.status, match.reason = "fallback", why
-
-        msg = f"wide_compile: {what} at {describe(node)} left dense (plain Inductor): {why}"
-        self.report.fallbacks.append(msg)
         self.count("fallback")
         if self.strict:
-            raise ValueError(msg)
+            raise ValueError(f"wide_compile (strict=True): {where} cannot run on the WIDE kernels: {why}. "
+                             f"To rewrite it: {fix}")
+        msg = (f"wide_compile: {where} keeps its routing but runs the masked reference (every group computed, "
+               f"inactive ones zeroed: exact, not faster): {why}. For the WIDE kernels: {fix}")
+        self.report.fallbacks.append(msg)
         warnings.warn(msg, WideFallbackWarning, stacklevel=2)
         log.warning(msg)
+
+    def unmatched(self, what: str, node: fx.Node | None, why: str) -> None:
+        """A candidate the detectors looked at and did not match (no warning by itself: a graph may hold sdpa
+        calls that are no routed block). InsertRouters turns these into the RoutingDroppedError of a dense graph
+        given routers; the leftover check names them for traced routed linears nobody consumed."""
+        self.report.unmatched.append(f"{what} at {describe(node)}: {why}")
+        self.unmatched_nodes.append((what, node, why))
+
+
+def keep_routing(ctx: PassContext, consumer: fx.Node, inner: fx.Node, match) -> None:
+    """A block of a dense graph (routers inserted by the pass) that cannot be rewritten: multiply its router
+    mask into `consumer`'s input `inner` (down_proj's / o_proj's), the eager reference's semantics, so the
+    block stays routed and exact. A traced graph (routers attached) holds that multiply already."""
+    if match.form != "dense" or match.mask is None:
+        return
+    from ._ops import group_masked_nd
+
+    with ctx.gm.graph.inserting_before(consumer):
+        masked = ctx.weights.call(group_masked_nd, (inner, match.mask))
+    consumer.replace_input_with(inner, masked)
 
 
 class Pass:

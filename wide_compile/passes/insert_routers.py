@@ -7,16 +7,19 @@ q's input and the FFN router on gate's input (router_input "normed"), or on the 
 feeds them (router_input "residual": the residual stream before the block's norm); what is inserted is
 the router's own graph form (`router.graph_form()`: the mask function of routing/router_fns and its
 tensors, which become graph constants via get_attr).
-The number of detected layers must equal routers.spec.num_layers, otherwise routing would be ambiguous:
-ValueError.
+The number of detected attention blocks and MLPs must each equal routers.spec.num_layers: fewer would drop
+the routing of the blocks not found, more would make routing by layer order ambiguous (RoutingDroppedError,
+naming the candidates the detectors did not match and what the pass needs).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import fx
 
-from ._graph import is_call, is_mul, last_dim, meta, static_rows
-from .base import Pass, PassContext, log
+from ._graph import describe, is_call, is_mul, last_dim, meta, static_rows
+from .base import Pass, PassContext, RoutingDroppedError, WideFallbackWarning, log
 
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as"}
 _CAST_FNS = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float}
@@ -92,36 +95,61 @@ def _router_node(ctx: PassContext, router, x, h, tag: str):
     return ctx.weights.call(fn, (h, *(const(t, name) for name, t in tensors)))
 
 
+_BLOCKS_FIX = ("the pass routes attention as q/k/v linears (separate, or one fused qkv linear sliced) -> "
+               "scaled_dot_product_attention -> an o linear, and MLPs as act(gate) * up -> a down linear (separate "
+               "gate/up linears or one fused gate_up linear chunked; act silu or gelu); restructure the model's "
+               "forward that way, or for an HF Llama-family model pass it to wide_compile.optimize(model, routers) "
+               "with routers from Routers.init(model, cfg) (attached, not inserted)")
+
+
+def _check_every_layer_found(ctx: PassContext, L: int) -> None:
+    """A dense graph given routers for L layers must hold L attention blocks and L MLPs: routers for a block
+    the pass cannot find would be silently dropped, so say which ones are missing, why, and what to do."""
+    na, nm = len(ctx.attns), len(ctx.mlps)
+    if na == L and nm == L:
+        return
+    what = "some routers would be dropped" if min(na, nm) < L else "routing by layer order is ambiguous"
+    lines = [f"wide_compile: routers for {L} layers were given, but the graph holds {na} attention block(s) and "
+             f"{nm} gated MLP(s) the pass can route ({what}):"]
+    for kind, found in (("attention", na), ("MLP", nm)):
+        if found != L:
+            lines.append(f"  the {kind} blocks: {found} found for {L} layers (layers count in graph order)")
+    for what, node, why in ctx.unmatched_nodes:
+        lines.append(f"  not matched: {what} at {describe(node)}: {why}")
+    if not ctx.unmatched_nodes:
+        lines.append("  the graph holds no scaled_dot_product_attention / gated-MLP structure the pass matched")
+    if 0 < min(na, nm) and max(na, nm) <= L:
+        lines.append("  (a graph break splits the layers over several graphs: compile with fullgraph=True)")
+    lines.append("Fix: " + _BLOCKS_FIX)
+    raise RoutingDroppedError("\n".join(lines))
+
+
 class InsertRouters(Pass):
     name = "insert_routers"
 
     def __call__(self, ctx: PassContext) -> None:
         subs = [*ctx.mlps, *ctx.attns]
-        live = [s for s in subs if s.status != "fallback"]
-        if not live:
-            return
-        masked = [s for s in live if s.form == "masked"]
-        if masked:  # form A; a dense block next to routed ones has no router: keep it dense, say so
-            for s in live:
-                if s.form == "dense":
-                    s.status = "fallback"
-                    s.reason = "no router mask traced for this block"
-                    what = "SwiGLU MLP" if hasattr(s, "gate") else "attention"
-                    ctx.fallback(what, getattr(s, "down", None) or getattr(s, "o"),
-                                 "no router mask was traced for it (are routers attached to every layer?)")
+        if any(s.form == "masked" for s in subs):  # form A; a dense block next to routed ones has no router
+            for s in subs:
+                if s.form == "dense" and s.status != "fallback":
+                    s.status, s.reason = "dense", "no router mask traced for it"
+                    what = "gated MLP" if hasattr(s, "gate") else "attention"
+                    msg = (f"wide_compile: {what} at {describe(getattr(s, 'down', None) or s.o)} has no router "
+                           "(no router mask was traced for it) and runs dense; to route it, attach routers to "
+                           "every decoder layer (wide_compile.attach)")
+                    ctx.report.fallbacks.append(msg)
+                    warnings.warn(msg, WideFallbackWarning, stacklevel=2)
             return
         routers = ctx.routers
         if routers is None:
-            raise NoRoutersError(
-                "wide_compile: the graph has Llama-style attention/MLP blocks but no WIDE routers: attach them "
-                "first (wide_compile.attach(model, routers)), use wide_compile.optimize(model, routers), or pass "
-                "routers=... to the wide backend")
+            if subs:
+                raise NoRoutersError(
+                    "wide_compile: the graph has Llama-style attention/MLP blocks but no WIDE routers: attach them "
+                    "first (wide_compile.attach(model, routers)), use wide_compile.optimize(model, routers), or "
+                    "pass routers=... to the wide backend")
+            return
+        _check_every_layer_found(ctx, routers.spec.num_layers)
         L = routers.spec.num_layers
-        if len(ctx.mlps) != L or len(ctx.attns) != L:
-            raise ValueError(
-                f"wide_compile: found {len(ctx.attns)} attention blocks and {len(ctx.mlps)} SwiGLU MLPs in the "
-                f"graph but the routers are for {L} layers; routing by graph order needs one full graph "
-                "(compile with fullgraph=True, or attach routers to an HF model instead)")
         spec, cfg = routers.spec, routers.cfg
         for a, m in zip(ctx.attns, ctx.mlps):
             nq, d = last_dim(a.q), last_dim(a.x)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import torch
 from torch import fx
 
 from ..config import GroupGeometry
-from ._graph import is_linear, linear_parts, match_group_mask
+from ._graph import describe, is_call, is_linear, is_mul, linear_parts, match_group_mask
 from .base import Pass, PassContext, counters, log, op_counts
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
@@ -23,13 +24,18 @@ from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
 
 
-def default_passes() -> list[Pass]:
-    return [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention(), RewriteSDPA()]
+def default_passes(sparse_attention: bool = False) -> list[Pass]:
+    """The WIDE passes in order; `sparse_attention` adds rewrite_sdpa (attention over the active head groups
+    only: wide.attn_decode / wide.attn_prefill), which is opt-in until its compiled GPU path is verified
+    (benchmarks/results/attention/README.md)."""
+    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention()]
+    return passes + [RewriteSDPA()] if sparse_attention else passes
 
 
 class PassManager:
-    def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None):
-        self.passes = list(passes) if passes is not None else default_passes()
+    def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
+                 sparse_attention: bool = False):
+        self.passes = list(passes) if passes is not None else default_passes(sparse_attention)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
@@ -55,15 +61,47 @@ class PassManager:
 
 
 def _warn_leftovers(ctx: PassContext) -> None:
-    """A traced group-mask multiply that no pass consumed means a routed linear stays dense: say so."""
+    """A traced group-mask multiply that no pass consumed means a routed linear runs the masked reference: say
+    so, with what the block looks like and how to get the WIDE kernels for it."""
     for n in ctx.gm.graph.nodes:
         if is_linear(n):
-            x = linear_parts(n)[0]
-            if match_group_mask(x) is not None and not any(
+            em = match_group_mask(linear_parts(n)[0])
+            if em is not None and not any(
                     s.status == "fallback" and (getattr(s, "down", None) is n or getattr(s, "o", None) is n)
                     for s in [*ctx.mlps, *ctx.attns]):
-                ctx.fallback("routed linear", n, "its input is group-masked but the surrounding block was not "
-                             "recognised as a SwiGLU MLP or an sdpa attention block")
+                what, why, fix = _leftover_hint(ctx, em[0])
+                ctx.fallback(what, n, why, fix)
+
+
+_EAGER_ATTN = {torch.matmul, torch.bmm, torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax}
+
+
+def _leftover_hint(ctx: PassContext, inner: fx.Node) -> tuple[str, str, str]:
+    """(block, why, fix) for a routed linear whose input `inner` (before the mask multiply) was not matched."""
+    seen, frontier = {inner}, [inner]
+    for _ in range(12):  # a few ops back, within the block (never past a linear): an eager attention's matmul
+        nxt = []
+        for f in frontier:
+            if is_call(f, _EAGER_ATTN, ("softmax", "matmul", "bmm")):
+                return ("attention", "its attention is computed with matmul / softmax (eager attention), not "
+                        "scaled_dot_product_attention",
+                        'load the model with attn_implementation="sdpa" (where transformers offers it for the '
+                        "architecture; a model it runs only with eager attention keeps the masked reference)")
+            if not is_linear(f):
+                nxt += [a for a in f.all_input_nodes if a not in seen]
+                seen.update(f.all_input_nodes)
+        frontier = nxt
+    if is_mul(inner) and any(is_linear(a) or any(is_linear(b) for b in getattr(a, "all_input_nodes", ()))
+                             for a in inner.args):
+        acts = [a for a in inner.args if isinstance(a, fx.Node) and not is_linear(a)]
+        act = f" ({getattr(acts[0].target, '__name__', acts[0].target)})" if acts else ""
+        return ("gated MLP", f"its gate activation{act} is not one wide.mlp computes",
+                "use a silu (SwiGLU) or gelu / gelu-tanh (GeGLU) gate: those are the activations wide.mlp supports")
+    near = [u for u in ctx.unmatched_nodes if u[1] in seen] or ctx.unmatched_nodes
+    notes = "; ".join(f"{w} at {describe(nd)}: {why}" for w, nd, why in near) or "no block matched"
+    return ("routed linear", f"its input is group-masked but the block around it was not recognised ({notes})",
+            "the pass matches q/k/v linears -> scaled_dot_product_attention -> o linear and act(gate) * up -> "
+            "down linear")
 
 
 def _summarise(ctx: PassContext) -> None:
@@ -71,10 +109,11 @@ def _summarise(ctx: PassContext) -> None:
     for m in ctx.mlps:
         detail = ""
         if m.groups:
-            detail = f"G={m.groups} x {m.group_size} channels, {m.form} input"
+            detail = f"G={m.groups} x {m.group_size} channels, {m.activation} gate, {m.form} input"
         if m.reason:
             detail += ("; " if detail else "") + m.reason
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
+                      "activation": m.activation,
                       "group_size": m.group_size, "detail": detail,
                       "nodes": {k: getattr(m, k).name for k in ("gate", "up", "down")}})
     for a in ctx.attns:
@@ -83,6 +122,8 @@ def _summarise(ctx: PassContext) -> None:
             detail = f"G={a.groups} x {a.group_size} q columns, {a.form} input, K/V dense"
         if not a.q_ok:
             detail += f"; q dense ({a.q_reason})"
+        elif a.q_reason:
+            detail += f"; {a.q_reason}"
         if a.sdpa_kind:
             detail += f"; attention: wide.attn_{a.sdpa_kind}"
         elif a.sdpa_reason:

@@ -1,11 +1,51 @@
 """Pass 5: rewrite the routed attention projections: o -> wide.o_proj (weight transposed once, now, into
 a graph constant w_o_t [Nq, D]), q -> wide.q_proj (inactive head groups' columns exactly 0; only when the
-q -> sdpa path keeps heads apart, see detect_attention). K and V stay dense linears."""
+q -> sdpa path keeps heads apart, see detect_attention). K and V stay dense linears. With a fused qkv linear
+(rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest."""
 from __future__ import annotations
 
-from ._graph import erase_unused, last_dim, linear_parts, node_index
+import operator
+
+from torch import fx
+
+from ._graph import _rows_of_slice, erase_unused, last_dim, linear_parts, node_index
 from ._ops import wide_o_proj_nd, wide_q_proj_nd
-from .base import Pass, PassContext, log
+from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log
+from .rewrite_mlp import weight_rows
+
+
+def _split_fused_kv(ctx: PassContext, a: AttnMatch) -> bool:
+    """After q of a fused qkv linear (rows 0:Nq) was rewritten: compute K/V with one linear over the weight's
+    rows Nq: and re-point each k/v column range at it, so no q column is computed twice. False (the fused
+    linear stays, computing q's columns for nothing) when the layout is not [q; rest]."""
+    lin, (q0, nq) = a.q_src
+    width = last_dim(lin)
+    ranges = [(u, _rows_of_slice(u.args[1], width)) for u in a.kv if u.target is operator.getitem and u.args[0] is lin]
+    if q0 != 0 or len(ranges) != len(a.kv) or any(r is None or r[0] < nq for _, r in ranges):
+        return False
+    _, w, b = linear_parts(lin)
+    order = node_index(ctx.gm)
+    with ctx.gm.graph.inserting_before(min((u for u, _ in ranges), key=order.__getitem__)):
+        rest = slice(nq, None)
+        wkv = ctx.weights.call(operator.getitem, (w, rest))
+        bkv = None if b is None else ctx.weights.call(operator.getitem, (b, rest))
+        kv = ctx.weights.call(lin.target, (linear_parts(lin)[0], wkv, bkv))
+        for u, (s, e) in ranges:
+            new = ctx.weights.call(operator.getitem, (kv, (Ellipsis, slice(s - nq, e - nq))))
+            u.replace_all_uses_with(new)
+    erase_unused(ctx.gm, [u for u, _ in ranges] + [lin])
+    return True
+
+
+def _why_not(ctx: PassContext, a: AttnMatch, wq: fx.Node, wo: fx.Node, nq):
+    """(why, fix) when the routed attention block cannot use the WIDE kernels, else (None, None)."""
+    W = ctx.weights
+    if not (W.is_static_weight(wo) and W.is_static_weight(wq)):
+        return "its q/o weights are not model parameters", WEIGHTS_FIX
+    if last_dim(a.q) is not None and last_dim(a.q) != nq:
+        return (f"its q width {last_dim(a.q)} is not o_proj's input width {nq}",
+                "give q_proj as many output columns as o_proj has inputs (num_heads * head_dim)")
+    return ctx.group_mismatch("attn", a.groups, a.group_size, nq), GROUPING_FIX
 
 
 class RewriteAttention(Pass):
@@ -17,18 +57,13 @@ class RewriteAttention(Pass):
         for a in ctx.attns:
             if a.status == "fallback" or a.mask is None:
                 continue
-            _, wq, bq = linear_parts(a.q)
+            q_lin, q_rows = a.q_src
             _, wo, bo = linear_parts(a.o)
             nq = last_dim(a.o_in)
-            why = None
-            if not (W.is_static_weight(wo) and W.is_static_weight(wq)):
-                why = "q/o weights are not model parameters"
-            elif last_dim(a.q) is not None and last_dim(a.q) != nq:
-                why = f"q width {last_dim(a.q)} != o input width {nq}"
-            else:
-                why = ctx.group_mismatch("attn", a.groups, a.group_size, nq)
+            why, fix = _why_not(ctx, a, linear_parts(q_lin)[1], wo, nq)
             if why:
-                ctx.fallback("attention", a.o, why, match=a)
+                ctx.fallback("attention", a.o, why, fix, match=a)
+                keep_routing(ctx, a.o, a.o_in, a)
                 continue
             with ctx.gm.graph.inserting_before(a.o):
                 wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
@@ -40,9 +75,12 @@ class RewriteAttention(Pass):
                 a.q_ok, a.q_reason = False, "router mask is computed after q"
             if a.q_ok:
                 with ctx.gm.graph.inserting_before(a.q):
+                    wq, bq = weight_rows(ctx, a.q_src)
                     new_q = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, ctx.kernel_tuning))
                 a.q.replace_all_uses_with(new_q)
                 erase_unused(ctx.gm, [a.q])
+                if q_rows is not None and not _split_fused_kv(ctx, a):
+                    a.q_reason = "fused qkv: its q columns are computed again in the fused linear"
                 ctx.count("rewrite_attention.q_rewritten")
             a.status = "rewritten"
             log.info("wide: layer %d: attention -> wide.o_proj%s (%d head groups of %d columns), K/V dense",

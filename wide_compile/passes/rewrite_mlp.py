@@ -1,12 +1,25 @@
-"""Pass 4: rewrite each routed SwiGLU MLP (gate, up, silu, mul, [mask multiply], down) into one
-wide.mlp call. The down weight is transposed once, now, into a graph constant (w_down_t [F, D])."""
+"""Pass 4: rewrite each routed gated MLP (gate, up, act, mul, [mask multiply], down) into one wide.mlp call
+with the gate's activation. The down weight is transposed once, now, into a graph constant (w_down_t [F, D]);
+gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy)."""
 from __future__ import annotations
 
 import operator
 
 from ._graph import erase_unused, last_dim, linear_parts
 from ._ops import wide_mlp_nd
-from .base import Pass, PassContext, log
+from .base import GROUPING_FIX, WEIGHTS_FIX, Pass, PassContext, keep_routing, log
+
+
+def weight_rows(ctx: PassContext, src: tuple):
+    """The weight (and bias) node of proj_source `src` = (linear, rows): the linear's own, or a view of rows
+    a:b inserted at the current insertion point."""
+    _, w, b = linear_parts(src[0])
+    rows = src[1]
+    if rows is None:
+        return w, b
+    sl = slice(*rows)
+    return (ctx.weights.call(operator.getitem, (w, sl)),
+            None if b is None else ctx.weights.call(operator.getitem, (b, sl)))
 
 
 class RewriteMLP(Pass):
@@ -17,27 +30,32 @@ class RewriteMLP(Pass):
         for m in ctx.mlps:
             if m.status == "fallback" or m.mask is None:
                 continue
-            _, wg, bg = linear_parts(m.gate)
-            _, wu, bu = linear_parts(m.up)
+            bg, bu = linear_parts(m.gate_src[0])[2], linear_parts(m.up_src[0])[2]
             _, wd, bd = linear_parts(m.down)
-            why = None
+            why = fix = None
             if bg is not None or bu is not None:
-                why = "gate/up projections carry a bias (wide.mlp has none)"
-            elif not all(W.is_static_weight(w) for w in (wg, wu, wd)):
-                why = "gate/up/down weights are not model parameters"
+                why = "its gate/up projections carry a bias (wide.mlp adds none)"
+                fix = "use bias-free gate/up projections (e.g. mlp_bias=False)"
+            elif not all(W.is_static_weight(linear_parts(s[0])[1]) for s in (m.gate_src, m.up_src)) or \
+                    not W.is_static_weight(wd):
+                why, fix = "its gate/up/down weights are not model parameters", WEIGHTS_FIX
             else:
-                why = ctx.group_mismatch("ffn", m.groups, m.group_size, last_dim(m.gate))
+                why, fix = ctx.group_mismatch("ffn", m.groups, m.group_size, last_dim(m.gate)), GROUPING_FIX
             if why:
-                ctx.fallback("SwiGLU MLP", m.down, why, match=m)
+                ctx.fallback("gated MLP", m.down, why, fix, match=m)
+                keep_routing(ctx, m.down, m.prod, m)
                 continue
             with ctx.gm.graph.inserting_before(m.down):
+                wg, _ = weight_rows(ctx, m.gate_src)
+                wu, _ = weight_rows(ctx, m.up_src)
                 wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
-                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, ctx.kernel_tuning))
+                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, ctx.kernel_tuning, m.activation))
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
             m.down.replace_all_uses_with(new)
-            erase_unused(ctx.gm, [m.down, *m.expand_nodes, m.prod, m.act, m.gate, m.up])
+            fused = [n for s in (m.gate_src, m.up_src) for n in (s[0], *((s[0].users) if s[1] else ()))]
+            erase_unused(ctx.gm, [m.down, *m.expand_nodes, m.prod, m.act, m.gate, m.up, *fused])
             m.status = "rewritten"
             ctx.count("rewrite_mlp.rewritten")
-            log.info("wide: layer %d: SwiGLU MLP -> wide.mlp (%d groups of %d channels)", m.layer, m.groups,
-                     m.group_size)
+            log.info("wide: layer %d: gated MLP (%s) -> wide.mlp (%d groups of %d channels)", m.layer, m.activation,
+                     m.groups, m.group_size)

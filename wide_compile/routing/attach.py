@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..models.spec import decoder_layers, model_spec
+from ..models.spec import attn_input_module, decoder_layers, mlp_input_module, model_spec
 
 _ATTR = "_wide_state"
 
@@ -55,10 +55,12 @@ def _is_routers(obj) -> bool:
 
 def _route_points(layer: nn.Module, i: int, router_input: str) -> tuple[nn.Module, nn.Module]:
     """The modules whose input the attention / FFN routers of decoder layer i read."""
-    a, m = layer.self_attn, layer.mlp
     if router_input == "normed":
-        return a.q_proj, m.gate_proj
-    na, nf = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+        return attn_input_module(layer), mlp_input_module(layer)
+    na = getattr(layer, "input_layernorm", None)
+    # Gemma2-style layers norm the attention output with post_attention_layernorm and the MLP's input with
+    # pre_feedforward_layernorm
+    nf = getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "post_attention_layernorm", None)
     if na is None or nf is None:
         raise ValueError(f"decoder layer {i} ({type(layer).__name__}) has no input_layernorm / "
                          "post_attention_layernorm, so the residual stream before the norms cannot be routed; "
