@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py --what prefill --out X.json [--sweep] [--ts 2048 8192]
     python benchmarks/bench_attention.py --what prefill --out X.json --dry-run   # tiny, CPU, Triton interpreter
+    python benchmarks/bench_attention.py --what decode --out X.json              # decode table (attention_decode.py)
 
 prefill (bench_prefill): the query-sparse prefill kernel (wide_compile/kernels/attn_prefill.py, its mask
 reordering launch included) against F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -183,8 +184,28 @@ def _shape_fields(args, shape) -> dict:
                 **shape)
 
 
-# The lead's decode benchmark (wide_compile/kernels/attn_decode.py) joins this table as "decode".
-BENCHES = {"prefill": bench_prefill}
+def bench_decode(args) -> list:
+    """The decode table of benchmarks/attention_decode.py (wide.attn_decode against SDPA, CUDA-graph replays;
+    its --sweep times the kernel's configs): ctx 1024 / 4096 / 16384, batch 1 / 8, KV-aligned and 1-head groups."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from attention_decode import decode_row
+
+    if args.dry_run:
+        dev, dtype, shape, grid, inner = torch.device("cpu"), torch.float32, (8, 2, 16), [(2, 70)], 1
+    else:
+        dev, dtype, shape, inner = torch.device("cuda"), torch.bfloat16, (32, 8, 128), 20
+        grid = [(b, c) for b in (1, 8) for c in (1024, 4096, 16384)]
+    rows = []
+    for gs in (shape[0] // shape[1], 1):
+        for B, ctx in grid:
+            r = decode_row(B, *shape, ctx, gs, args.capacity, dtype, dev, inner, args.rounds, seed=args.seed)
+            rows.append({"what": "decode", **r})
+    return rows
+
+
+BENCHES = {"prefill": bench_prefill, "decode": bench_decode}
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -59,3 +59,16 @@ def test_sweep_and_the_active_row_check(tmp_path, monkeypatch):
         bench_attention.check_active_rows(ref.clone(), ref, mask, 1)
     good = torch.cat([ref[:, :1], torch.zeros(1, 1, 1, 4)], dim=1)
     assert bench_attention.check_active_rows(good, ref, mask, 1) == 0
+
+
+def test_decode_dry_run_writes_checked_rows(tmp_path):
+    """--what decode: the rows of attention_decode.decode_row (KV-aligned and 1-head groups), each checked
+    against the float64 reference before timing; the KV heads a KV-aligned row reads follow its capacity."""
+    import bench_attention
+
+    data = bench_attention.main(["--what", "decode", "--dry-run", "--out", str(tmp_path / "d.json")])
+    rows = data["rows"]
+    assert [r["group_size"] for r in rows] == [4, 1] and all(r["what"] == "decode" for r in rows)
+    for r in rows:
+        assert r["rel_err"] <= 1e-4 and set(r["times"]) >= {"wide", "wide_all_on", "sdpa"}
+    assert rows[0]["kv_heads_read"] == 0.5

@@ -188,3 +188,18 @@ def test_routed_uses_the_given_routers_and_restores_the_attached_ones():
     with routed(model, mine):
         assert attached_routers(model) is mine
     assert not wc.is_attached(model)
+
+
+def test_head_group_size_kv_is_the_query_heads_of_one_kv_head(tmp_path):
+    import wide_compile as wc
+    from wide_compile.models.tiny import tiny_model
+
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96, head_dim=16)
+    cfg = wc.WideConfig(head_group_size="kv", ffn_group_size=16)
+    assert cfg.for_model(model).head_group_size == 3 and cfg.geometry(model).num_head_groups == 2
+    r = wc.Routers.init(model, cfg)
+    assert r.cfg.head_group_size == 3 and r.attn[0](torch.randn(1, 4, 96)).shape[-1] == 2
+    r.save(tmp_path / "r.safetensors")
+    assert wc.Routers.load(tmp_path / "r.safetensors", model).cfg.head_group_size == 3
+    with pytest.raises(ValueError, match='positive integer or "kv"'):
+        wc.WideConfig(head_group_size="kv4")

@@ -27,7 +27,9 @@ class WideConfig:
     ffn_group_size:  consecutive FFN intermediate channels that one FFN router bit switches.
     head_group_size: consecutive query heads that one attention router bit switches. K/V are always
                      computed for every token, so any divisor of the number of query heads is valid,
-                     also under GQA (a query-head group may span or split a KV group).
+                     also under GQA (a query-head group may span or split a KV group). "kv": the query
+                     heads that share one KV head (resolved per model by `for_model`), the grouping under
+                     which attention can skip reading whole KV heads (`optimize(..., sparse_attention=True)`).
     capacity:        target FLOP-weighted capacity in (0, 1] (DESIGN.md): used by training's capacity
                      regulariser and by `Routers.calibrate_`; inference itself is whatever routers decide.
     router_hidden:   0 = linear router (D -> G); >0 = two-layer router D -> router_hidden -> G (SiLU).
@@ -42,7 +44,7 @@ class WideConfig:
     """
 
     ffn_group_size: int = 64
-    head_group_size: int = 1
+    head_group_size: int | str = 1
     capacity: float = 0.5
     router_hidden: int = 0
     router_init: str = "dense"
@@ -63,8 +65,11 @@ class WideConfig:
                              f"own), got {self.router_input!r}")
         for name in ("ffn_group_size", "head_group_size"):
             v = getattr(self, name)
+            if name == "head_group_size" and v == "kv":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"WideConfig.{name} must be a positive integer, got {v!r}")
+                also = ' or "kv"' if name == "head_group_size" else ""
+                raise ValueError(f"WideConfig.{name} must be a positive integer{also}, got {v!r}")
         if not isinstance(self.capacity, (int, float)) or not (0.0 < float(self.capacity) <= 1.0):
             raise ValueError(
                 f"WideConfig.capacity must be in (0, 1] (a FLOP fraction of the dense model), got {self.capacity!r}"
@@ -75,11 +80,24 @@ class WideConfig:
             raise ValueError(f"WideConfig.router_init must be one of {ROUTER_INITS}, got {self.router_init!r}")
 
     # -- validation against a model -------------------------------------------------------------
+    def for_model(self, spec: "ModelSpec") -> "WideConfig":
+        """This config with head_group_size="kv" resolved to the query heads per KV head of `spec` (a
+        ModelSpec or a model); other configs unchanged."""
+        if self.head_group_size != "kv":
+            return self
+        from .models.spec import model_spec
+
+        s = model_spec(spec)
+        if s.num_kv_heads < 1 or s.num_heads % s.num_kv_heads:
+            raise ValueError(f"head_group_size='kv' needs the {s.num_heads} query heads to split evenly over the "
+                             f"{s.num_kv_heads} KV heads")
+        return dataclasses.replace(self, head_group_size=s.num_heads // s.num_kv_heads)
+
     def geometry(self, spec: "ModelSpec") -> "GroupGeometry":
         """The group geometry of this config on `spec` (a ModelSpec or a model); ValueError when it does not fit."""
         from .models.spec import model_spec
 
-        return GroupGeometry.of(self, model_spec(spec))
+        return GroupGeometry.of(self.for_model(spec), model_spec(spec))
 
     def validate(self, spec: "ModelSpec") -> None:
         """Raise ValueError when this config cannot route `spec` (a ModelSpec or a model)."""

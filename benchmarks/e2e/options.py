@@ -79,6 +79,7 @@ class BenchOptions:
     correlated_capacities: list[float] | None = None
     kernel_config: str | None = None
     attention: str = "sdpa"
+    sparse_attention: bool = False
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -263,6 +264,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="attention of every variant: transformers' SDPA path (default; compiled models get an "
                         "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "
                         "queries and keys have the same length (unpadded prefill; e2e/attention.py)")
+    p.add_argument("--sparse-attention", action="store_true",
+                   help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

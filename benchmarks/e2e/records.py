@@ -24,7 +24,7 @@ def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, 
     return {"model": model, "layers": layers, "weights": weights, "phase": phase,
             "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks,
             "router_dtype": options.router_dtype, "kernel_config": options.kernel_config,
-            "attention": options.attention}
+            "attention": options.attention, "sparse_attention": options.sparse_attention}
 
 
 @dataclasses.dataclass

@@ -99,12 +99,14 @@ def compile_wide(wide_model, routers, options, **kw):
     import torch
 
     kc = kernel_config(options)
+    own = {**({"kernel_config": kc} if kc else {}),
+           **({"sparse_attention": True} if options.sparse_attention else {})}
     if options.wide_entry == "optimize":
         import wide_compile as wc
 
-        return wc.optimize(wide_model, routers, dynamic=False, **({"kernel_config": kc} if kc else {}), **kw)
+        return wc.optimize(wide_model, routers, dynamic=False, **own, **kw)
     return torch.compile(wide_model, dynamic=False, backend=options.wide_backend,
-                         **({"options": {"kernel_config": kc}} if kc else {}), **kw)
+                         **({"options": own} if own else {}), **kw)
 
 
 def build_wide(w: "Workload", row: Row) -> Built:

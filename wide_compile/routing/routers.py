@@ -257,6 +257,7 @@ class Routers(nn.Module):
         `calibrate_` to hit a capacity on real tokens.
         """
         spec = model_spec(model)
+        cfg = cfg.for_model(spec)
         cfg.validate(spec)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         ga, gf = cfg.num_head_groups(spec), cfg.num_ffn_groups(spec)
@@ -276,6 +277,7 @@ class Routers(nn.Module):
     def constant(cls, model, cfg: WideConfig, attn: Sequence, ffn: Sequence) -> "Routers":
         """Token-independent masks: attn[i] bool[G_a], ffn[i] bool[G_f] for every layer i."""
         spec = model_spec(model)
+        cfg = cfg.for_model(spec)
         cfg.validate(spec)
         ga, gf = cfg.num_head_groups(spec), cfg.num_ffn_groups(spec)
         for name, masks, g in (("attn", attn, ga), ("ffn", ffn, gf)):
@@ -294,6 +296,7 @@ class Routers(nn.Module):
         """Routers that replay masks recorded with `record_masks` over ONE forward call:
         recorded["attn"][i] / ["ffn"][i] = [mask [..., T, G]] (a list of one tensor, or the tensor)."""
         spec = model_spec(model)
+        cfg = cfg.for_model(spec)
         cfg.validate(spec)
 
         def one(kind, i, groups):
