@@ -269,9 +269,9 @@ def _options_without_help(text: str) -> list[str]:
     return bare
 
 
-# stage1 / stage2 are left out: their parsers carry options without help yet (--gguf, stage 2's --out / --data)
 HELP_COMMANDS = [["--help"], ["demo", "--help"], ["inspect", "--help"], ["train", "--help"], ["bench", "--help"],
-                 ["train", "tokenize", "--help"], ["train", "recipe", "--help"],
+                 ["train", "tokenize", "--help"], ["train", "recipe", "--help"], ["train", "stage1", "--help"],
+                 ["train", "stage2", "--help"],
                  *[["bench", b, "--help"] for b in cli.BENCH_SCRIPTS]]
 
 

