@@ -43,7 +43,7 @@ def test_sweep_and_the_active_row_check(tmp_path, monkeypatch):
 
     unfit = dict(BLOCK_M=8, BLOCK_N=16, num_warps=1, num_stages=1)  # a candidate the launcher rejects
     monkeypatch.setattr(attn_prefill, "SWEEP", attn_prefill.SWEEP + (unfit,))
-    data = bench_attention.main(["--what", "all", "--dry-run", "--sweep", "--ts", "5", "--out",
+    data = bench_attention.main(["--what", "prefill", "--dry-run", "--sweep", "--ts", "5", "--out",
                                  str(tmp_path / "a.json")])
     rows = data["rows"]
     assert len(rows) == 1 + 2 * (1 + len(attn_prefill.SWEEP))

@@ -47,7 +47,7 @@ def compile_gather(cfg, D_, F_, GS, dt):
             "stride_w": "i32", "stride_o": "i32"}
     consts = dict(G=F_ // GS, GS=GS, BM=cfg["up_bm"], BN=cfg["up_bn"], BK=cfg["up_bk"], SORTED=cfg["path"] == "sorted",
                   GATED=True, HAS_BIAS=False, ZERO_INACTIVE=False, PREC=cm._prec(dt), UPCAST=False,
-                  GROUP_G=cfg["group_g"], LISTS=cfg.get("lists", "kernel") != "none")
+                  GROUP_G=cfg["group_g"], LISTS=cfg.get("lists", "kernel") != "none", ACT=cm.ACT_IDS["silu"])
     return _compile(cm._ngather_kernel, args, consts, cfg["up_warps"], cfg["up_stages"])
 
 

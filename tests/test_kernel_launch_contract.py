@@ -12,7 +12,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-MODULES = ["wide_compile.kernels.compact_mlp", "wide_compile.kernels.compact_attn", "wide_compile.kernels.reorder"]
+MODULES = ["wide_compile.kernels.compact_mlp", "wide_compile.kernels.compact_attn", "wide_compile.kernels.reorder",
+           "wide_compile.kernels.attn_decode", "wide_compile.kernels.attn_prefill"]
 
 
 def _jit_kernels():

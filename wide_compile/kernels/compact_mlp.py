@@ -39,7 +39,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    GROUP_G: tl.constexpr, LISTS: tl.constexpr, ACT: tl.constexpr = 0):
+                    GROUP_G: tl.constexpr, LISTS: tl.constexpr, ACT: tl.constexpr):
     if SORTED:
         # program -> (group g, k-th block of g's token list), swizzled in super-blocks of GROUP_G
         # groups so that concurrent programs share weights (same g) and x rows (same k range).
