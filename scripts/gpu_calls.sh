@@ -43,6 +43,12 @@
 #   train                  needs setup (+ .data/tok/train_tokens_6m.npz carried): scripts/gpu_smollm2.sh, the
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
+#   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
+#                          prefill table with its tile sweep (benchmarks/results/attention/)
+#   e2e_attention          end to end with attention over the active head groups (--sparse-attention), KV-aligned
+#                          groups, 8B shape at 8 layers: decode ctx 16384 x 8 / x 1, prefill 8192; Inductor
+#                          compiles in-process (TORCHINDUCTOR_COMPILE_THREADS=1) so a kernel compile error shows
+#                          its whole traceback in the log
 #   tokens                 the train-text token cache /root/wcache/tokens.npy: tokenized there from the raw
 #                          text carried as .data/train-text (a copy of the data root's train-text/), or joined
 #                          from halves carried as .data/p1/a.npy.gz, .data/p2/b.npy.gz
@@ -182,6 +188,17 @@ step() {
       --variants eager inductor inductor_cg static wide wide_eager "${SHORT[@]}" --name e2e-h200-smollm2 ;;
   train)
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh ${TRAIN_ARGS:-} ;;
+  attention)
+    TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_attn_prefill.py \
+      tests/test_kernel_attn_decode.py 2>&1 | tail -4
+    timeout 230 python3 benchmarks/bench_attention.py --what prefill --sweep --out "$OUT/attn-prefill.json" | tail -6
+    timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
+  e2e_attention)
+    TORCHINDUCTOR_COMPILE_THREADS=1 e2e e2e-attn-kv4 "${E2E_TIMEOUT:-470}" --models llama-3.1-8b \
+      --phases decode prefill --capacities 0.5 --masks random --decode-ctx 16384 --decode-batch 8 1 \
+      --prefill-tokens 8192 --prefill-batch 1 --layers 8 --head-group-size 4 --attention sdpa_unpadded \
+      --sparse-attention --variants inductor static wide --rounds 3 --target-s 0.3 --no-budget-split --no-plot \
+      --name e2e-attn-kv4 ;;
   kernel_tests)
     TRITON_INTERPRET=0 timeout "${KT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
