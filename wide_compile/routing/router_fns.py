@@ -72,3 +72,31 @@ def constant_router_mask(h, mask):
 def replay_router_mask(h, mask):
     # mask: [..., T, G] recorded for exactly h's token shape
     return mask.view(*h.shape[:-1], mask.shape[-1])
+
+
+def codebook_pick(scores, protos):
+    """The logits row [..., G] of each token's prototype: argmax over scores [..., P] (first on ties) indexes
+    the prototype table protos [P, G]."""
+    return F.embedding(scores.argmax(-1), protos)
+
+
+def codebook_logits(h, protos, w, b):
+    # h: [..., D], protos: [P, G], w: [P, D], b: [P] -> the chosen prototype's logits [..., G]
+    return codebook_pick(linear_logits(h, w, b), protos)
+
+
+def codebook_router_mask(h, protos, w, b):
+    return codebook_logits(h, protos, w, b) > 0
+
+
+def lowrank_scores(h, w_down, b_down, w_up, b_up):
+    # h: [..., D] -> [..., r] -> [..., P]
+    return F.linear(F.linear(h.to(w_down.dtype), w_down, b_down), w_up, b_up)
+
+
+def codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up):
+    return codebook_pick(lowrank_scores(h, w_down, b_down, w_up, b_up), protos)
+
+
+def codebook_lowrank_router_mask(h, protos, w_down, b_down, w_up, b_up):
+    return codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up) > 0

@@ -8,6 +8,8 @@ residual stream before the block's norm ("residual"); `attach` hooks the matchin
   * "wide" (PairRouter, the method's recipe): h -> rank r -> one (skip, execute) logit pair per group;
     its logits are the margin exec - skip; training uses a hard Gumbel-softmax over each pair with a
     straight-through estimator.
+With cfg.structure "codebook" (CodebookRouter) a token's mask is one of P learned prototype masks, picked
+by a scorer that reads the recipe's input; its relaxation is a hard Gumbel-softmax over the P prototypes.
 Each router class owns its maths as functions of (h, *tensors) in router_fns; `graph_form` hands the pass
 the mask function and tensors, and `forward` calls the logits twin of that same function.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import WideConfig
@@ -153,6 +156,67 @@ class PairRouter(_RouterBase):
         return _StraightThrough.apply(soft)
 
 
+class CodebookRouter(_RouterBase):
+    """structure="codebook": a learned table of P prototype masks and a scorer that picks one per token.
+
+    prototypes [P, G] are logits (the hard prototype is logits > 0); the scorer maps h[..., D] to scores
+    [..., P] (linear D -> P, or D -> rank -> P when rank > 0). forward returns the chosen prototype's logits
+    row (float32 [..., G], execute iff > 0), so the mask is always one of the P prototype masks. The
+    prototypes are the margins (`margin_bias`): shifting them shifts every token's logits alike, which is
+    what capacity calibration needs. `relaxed`: hard Gumbel-softmax over the P scores times the hard
+    prototype bits in the forward; the backward is that of softmax((scores + g) / tau) @ sigmoid(prototypes
+    / tau) (straight through the pick and the bits together), so gradients reach the scorer and the
+    prototypes."""
+
+    def __init__(self, dim: int, groups: int, prototypes: int, rank: int = 0):
+        super().__init__()
+        self.dim, self.groups, self.num_prototypes, self.rank = dim, groups, prototypes, rank
+        self.prototypes = nn.Parameter(torch.zeros(prototypes, groups))
+        if rank:
+            self.scorer_in = nn.Linear(dim, rank)
+            self.scorer = nn.Linear(rank, prototypes)
+        else:
+            self.scorer = nn.Linear(dim, prototypes)
+
+    def flops_per_token(self) -> int:
+        # the pick is a row lookup; only the scorer multiplies
+        if self.rank:
+            return 2 * (self.dim * self.rank + self.rank * self.num_prototypes)
+        return 2 * self.dim * self.num_prototypes
+
+    def margin_bias(self) -> torch.Tensor:
+        """The prototype logits [P, G]: raising them by d (broadcast over P) raises every token's logits by d."""
+        return self.prototypes
+
+    def _scorer_tensors(self):
+        if self.rank:
+            return (("w_down", self.scorer_in.weight), ("b_down", self.scorer_in.bias), ("w_up", self.scorer.weight),
+                    ("b_up", self.scorer.bias))
+        return (("w", self.scorer.weight), ("b", self.scorer.bias))
+
+    def graph_form(self, dtype=None, rows=None):
+        fn = fns.codebook_lowrank_router_mask if self.rank else fns.codebook_router_mask
+        return fn, (("protos", self.prototypes), *self._scorer_tensors())
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """Prototype scores [..., P] (float32 for fp32 scorers)."""
+        fn = fns.lowrank_scores if self.rank else fns.linear_logits
+        return fn(h, *(t for _, t in self._scorer_tensors()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return fns.codebook_pick(self.scores(h), self.prototypes)
+
+    def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
+        s = self.scores(h).float()  # [..., P]
+        if noise:
+            u = torch.rand_like(s).clamp_(1e-10, 1 - 1e-7)
+            s = s - torch.log(-torch.log(u))  # + Gumbel(0, 1)
+        protos = self.prototypes.float()
+        soft = torch.softmax(s / tau, dim=-1) @ torch.sigmoid(protos / tau)  # [..., G]
+        hard = F.embedding(s.argmax(-1), (protos > 0).to(soft.dtype))
+        return _StraightThroughTo.apply(hard, soft)
+
+
 class ConstantRouter(_RouterBase):
     """Token-independent mask: logits = +-_BIG per group; costs no FLOPs."""
 
@@ -196,7 +260,7 @@ class ReplayRouter(_RouterBase):
         return torch.where(self.mask.to(h.device), _BIG, -_BIG).to(dtype=torch.float32)
 
 
-LEARNED = (GroupRouter, PairRouter)
+LEARNED = (GroupRouter, PairRouter, CodebookRouter)
 
 
 def _init_group_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> GroupRouter:
@@ -229,6 +293,23 @@ def _init_pair_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> Pai
     return r
 
 
+def _init_codebook_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> CodebookRouter:
+    rank = cfg.router_rank if cfg.router_recipe == "wide" else 0
+    r = CodebookRouter(spec.hidden_size, groups, cfg.codebook_size, rank)
+    with torch.no_grad():
+        for lin in ([r.scorer_in] if rank else []) + [r.scorer]:
+            lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
+            lin.bias.zero_()
+        if cfg.router_init == "dense":
+            # every prototype all on (logits near +router_init_bias), slightly different so that the
+            # relaxation's gradient already tells prototypes, and so the scorer's choices, apart
+            b = cfg.router_init_bias
+            r.prototypes.normal_(0.0, 0.1 * abs(b), generator=gen).add_(b)
+        else:
+            r.prototypes.normal_(0.0, 1.0, generator=gen)
+    return r
+
+
 class Routers(nn.Module):
     """All routers of one model: `attn[i]` and `ffn[i]` for decoder layer i."""
 
@@ -251,7 +332,8 @@ class Routers(nn.Module):
     def init(cls, model, cfg: WideConfig, seed: int | None = 0) -> "Routers":
         """Fresh routers for `model` (an HF Llama-family model or a ModelSpec).
 
-        cfg.router_recipe picks the router class (GroupRouter / PairRouter). cfg.router_init == "dense"
+        cfg.structure "codebook" makes CodebookRouters (scorer per cfg.router_recipe); "free": cfg.router_recipe
+        picks the router class (GroupRouter / PairRouter). cfg.router_init == "dense"
         (default): every group starts on (margin +cfg.router_init_bias, output weights ~0), so a fresh router
         reproduces the dense model and training starts from it. "random": random projections, bias 0; use
         `calibrate_` to hit a capacity on real tokens.
@@ -265,7 +347,10 @@ class Routers(nn.Module):
         if cfg.router_recipe == "wide" and cfg.router_hidden:
             raise ValueError("router_hidden applies to the linear recipe; the wide recipe's bottleneck is "
                              "router_rank (set router_hidden=0)")
-        make_one = _init_pair_router if cfg.router_recipe == "wide" else _init_group_router
+        if cfg.structure == "codebook":
+            make_one = _init_codebook_router
+        else:
+            make_one = _init_pair_router if cfg.router_recipe == "wide" else _init_group_router
 
         def make(groups: int):
             return make_one(spec, cfg, groups, gen)
@@ -352,6 +437,7 @@ class Routers(nn.Module):
         types = [type(r).__name__ for r in list(self.attn) + list(self.ffn)]
         return {"format": str(FORMAT_VERSION), "config": self.cfg.to_json(), "spec": self.spec.to_json(),
                 "fingerprint": self.spec.fingerprint(), "kind": self.kind, "router_types": json.dumps(types),
+                "structure": self.cfg.structure,
                 "name": self.name or ""}
 
     def save(self, path) -> None:
@@ -364,8 +450,9 @@ class Routers(nn.Module):
         save_file(tensors, str(path), metadata=self._metadata())
 
     @classmethod
-    def load(cls, path, model) -> "Routers":
-        """Load routers saved by `save` onto `model`; ValueError if they were made for another shape."""
+    def load(cls, path, model, structure: str | None = None) -> "Routers":
+        """Load routers saved by `save` onto `model`; ValueError if they were made for another shape, or, when
+        `structure` is given ("free" / "codebook"), if the checkpoint holds routers of another structure."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -376,7 +463,8 @@ class Routers(nn.Module):
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         if "spec" not in meta or "config" not in meta:
             raise ValueError(f"{path} is not a wide_compile router checkpoint (no config/spec metadata)")
-        saved_spec, cfg = ModelSpec.from_json(meta["spec"]), WideConfig.from_json(meta["config"])
+        saved_spec = ModelSpec.from_json(meta["spec"])
+        cfg = _checkpoint_config(path, meta, structure)
         spec = model_spec(model)
         if saved_spec != spec:
             diff = {k: (getattr(saved_spec, k), getattr(spec, k)) for k in saved_spec.__dataclass_fields__
@@ -419,6 +507,26 @@ class Routers(nn.Module):
         return calibrate_groups_(self, model, input_ids, capacity, attention_mask)
 
 
+def _checkpoint_config(path, meta: dict, structure: str | None) -> WideConfig:
+    """The WideConfig a checkpoint was saved with, checked against the structure the caller asks for."""
+    from ..config import STRUCTURES
+
+    if structure is not None and structure not in STRUCTURES:
+        raise ValueError(f"Routers.load: structure must be one of {STRUCTURES} (or None: any), got {structure!r}")
+    saved = json.loads(meta["config"]).get("structure", "free")  # checkpoints before structures were free
+    if meta.get("structure", saved) != saved:
+        raise ValueError(f"router checkpoint {path} is inconsistent: its metadata says structure "
+                         f"{meta['structure']!r}, its config {saved!r}")
+    if saved not in STRUCTURES:
+        raise ValueError(f"router checkpoint {path} holds routers of structure {saved!r}, which this version of "
+                         f"wide_compile cannot load (it knows {STRUCTURES}); use the version that saved it")
+    if structure is not None and saved != structure:
+        raise ValueError(f"router checkpoint {path} holds structure={saved!r} routers, but structure={structure!r} "
+                         f"was asked for; load routers trained with structure={structure!r} (or pass "
+                         f"structure={saved!r})")
+    return WideConfig.from_json(meta["config"])
+
+
 def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> torch.Tensor:
     """Straight-through Gumbel-sigmoid: forward hard (0/1), backward d sigmoid((logits+g)/tau)."""
     if noise:
@@ -426,6 +534,19 @@ def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> t
         logits = logits + (torch.log(u) - torch.log1p(-u))
     soft = torch.sigmoid(logits / tau)
     return _StraightThrough.apply(soft)
+
+
+class _StraightThroughTo(torch.autograd.Function):
+    """Forward: `hard` exactly; backward: the gradient goes to `soft` unchanged (a straight-through
+    estimator whose hard value is not a threshold of soft)."""
+
+    @staticmethod
+    def forward(ctx, hard, soft):
+        return hard.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
 
 
 class _StraightThrough(torch.autograd.Function):
