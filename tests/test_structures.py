@@ -35,7 +35,7 @@ def every_router(r):
 # ------------------------------------------------------------------------------------------------ config
 def test_config_defaults_and_errors():
     assert wc.WideConfig().structure == "free" and wc.WideConfig().codebook_size == 16
-    for kw, what in ((dict(structure="nested"), "structure"), (dict(structure="Codebook"), "structure"),
+    for kw, what in ((dict(structure="banded"), "structure"), (dict(structure="Codebook"), "structure"),
                      (dict(codebook_size=1), "codebook_size"), (dict(codebook_size=True), "codebook_size"),
                      (dict(codebook_size=4.0), "codebook_size"),
                      (dict(structure="codebook", router_hidden=8), "router_hidden")):
@@ -234,7 +234,7 @@ def test_checkpoint_round_trip_and_structure_mismatch(tmp_path):
     with pytest.raises(ValueError, match="holds structure='free' routers, but structure='codebook'"):
         wc.Routers.load(free, model, structure="codebook")
     with pytest.raises(ValueError, match="structure must be one of"):
-        wc.Routers.load(free, model, structure="nested")
+        wc.Routers.load(free, model, structure="banded")
 
 
 def test_checkpoint_of_an_unknown_structure_is_a_clear_error(tmp_path):
@@ -248,8 +248,8 @@ def test_checkpoint_of_an_unknown_structure_is_a_clear_error(tmp_path):
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     cfg = json.loads(meta["config"])
     save_file(tensors, str(tmp_path / "n.safetensors"),
-              metadata={**meta, "structure": "nested", "config": json.dumps({**cfg, "structure": "nested"})})
-    with pytest.raises(ValueError, match="structure 'nested', which this version of wide_compile cannot load"):
+              metadata={**meta, "structure": "banded", "config": json.dumps({**cfg, "structure": "banded"})})
+    with pytest.raises(ValueError, match="structure 'banded', which this version of wide_compile cannot load"):
         wc.Routers.load(tmp_path / "n.safetensors", model)
     save_file(tensors, str(tmp_path / "x.safetensors"), metadata={**meta, "structure": "free"})
     with pytest.raises(ValueError, match="inconsistent"):
@@ -314,3 +314,158 @@ def test_stage1_trains_codebook_routers():
     for name, before in start.state_dict().items():
         assert not torch.equal(r.state_dict()[name], before), name  # scorers and prototypes all moved
     assert r.train_history[-1]["cap"] < r.train_history[0]["cap"]
+
+
+# ------------------------------------------------------------------------------------------- nested
+NL = 3
+NEST = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", structure="nested", nested_levels=NL)
+NEST_WIDE = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", structure="nested",
+                          nested_levels=NL, router_recipe="wide", router_rank=8)
+
+
+def test_nested_config_init_and_errors():
+    from wide_compile.routing import NestedRouter
+    from wide_compile.routing.routers import group_importance
+
+    with pytest.raises(ValueError, match="nested_levels"):
+        wc.WideConfig(structure="nested", nested_levels=1)
+    with pytest.raises(ValueError, match="router_hidden"):
+        wc.WideConfig(structure="nested", router_hidden=4)
+    model = tiny_model("llama", seed=1)
+    spec = wc.models.model_spec(model)
+    with pytest.raises(ValueError, match=r"nested_levels=5 must be in \[2, 4\]"):  # 4 head groups
+        wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, structure="nested", nested_levels=5))
+    r = wc.Routers.init(model, NEST)
+    assert all(isinstance(x, NestedRouter) for x in every_router(r))
+    gf = NEST.num_ffn_groups(spec)
+    assert r.ffn[0].widths.tolist() == [-(-gf * (lv + 1) // NL) for lv in range(NL)] and r.ffn[0].widths[-1] == gf
+    assert r.flops_per_token()[1] == [2 * spec.hidden_size * NL] * spec.num_layers
+    # the order is the dense weights' importance, most important first
+    imp_attn, imp_ffn = group_importance(model, spec, NEST)
+    q, o = model.model.layers[1].self_attn.q_proj.weight, model.model.layers[1].self_attn.o_proj.weight
+    hd = spec.head_dim
+    by_hand = torch.stack([q[g * hd:(g + 1) * hd].norm() * o[:, g * hd:(g + 1) * hd].norm() for g in range(4)])
+    torch.testing.assert_close(imp_attn[1], by_hand)
+    assert torch.equal(r.attn[1].order, torch.argsort(by_hand, descending=True))
+    assert torch.equal(r.ffn[0].order, torch.argsort(imp_ffn[0], descending=True))
+    assert not torch.equal(r.ffn[0].order, torch.arange(gf))  # a real permutation, not the identity
+    with pytest.raises(ValueError, match="permutation"):
+        r.ffn[0].set_order_(torch.zeros(gf))
+    with pytest.raises(ValueError, match="calibrate_offset_"):
+        r.calibrate_(model, torch.randint(0, 128, (1, 8)), capacity=0.5)
+
+
+def test_nested_dense_init_equals_dense():
+    model = tiny_model("smollm2", seed=1)
+    ids = torch.randint(0, 128, (2, 9))
+    dense = model(input_ids=ids).logits
+    with wc.routing.routed(model, wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, structure="nested", nested_levels=NL))):
+        torch.testing.assert_close(model(input_ids=ids).logits, dense, atol=0, rtol=0)
+
+
+def _nested_by_hand(model, routers, ids, min_gap):
+    """Nested routing in float64: level = argmax of the scorer on the normed input, mask = the first
+    widths[level] groups of the layer's order."""
+    seen, hooks = {}, []
+    spec = routers.spec
+    for i, layer in enumerate(decoder_layers(model)):
+        for kind, mod in (("attn", layer.self_attn.q_proj), ("ffn", layer.mlp.gate_proj)):
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, i=i, k=kind: seen.__setitem__((k, i), a[0])))
+
+        def zero(kind, i, gs):
+            def pre(m, a):
+                r = getattr(routers, kind)[i]
+                s = seen[(kind, i)].double() @ r.scorer.weight.double().T + r.scorer.bias.double()
+                top2 = s.topk(2, -1).values
+                min_gap.append(float((top2[..., 0] - top2[..., 1]).min().detach()))
+                width = r.widths[s.argmax(-1)]  # [B, S]
+                mask = torch.zeros(*width.shape, r.groups, dtype=torch.bool)
+                for g_rank, g in enumerate(r.order.tolist()):
+                    mask[..., g] = g_rank < width
+                return (a[0] * mask.repeat_interleave(gs, -1).to(a[0].dtype),)
+            return pre
+
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(zero("attn", i, spec.head_dim)))
+        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(zero("ffn", i, routers.cfg.ffn_group_size)))
+    try:
+        return model(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_nested_attach_executes_prefixes_of_the_order_exactly():
+    model = tiny_model("smollm2", seed=2).double()
+    routers = wc.Routers.init(model, NEST, seed=3).double()
+    ids = torch.randint(0, 128, (2, 11))
+    gaps = []
+    want = _nested_by_hand(model, routers, ids, gaps)
+    assert min(gaps) > 1e-6
+    wc.attach(model, routers)
+    with wc.routing.record_masks(model) as rec:
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    m = rec["ffn"][0][0].reshape(-1, routers.ffn[0].groups)
+    assert len({int(x) for x in m.sum(-1)}) > 1  # tokens take several widths
+    wc.detach(model)
+
+
+def test_nested_constant_level_equals_constant_routers():
+    model = tiny_model("llama", seed=3)
+    r = wc.Routers.init(model, NEST, seed=4)
+    masks = {"attn": [], "ffn": []}
+    with torch.no_grad():
+        for k in ("attn", "ffn"):
+            for i, x in enumerate(getattr(r, k)):
+                lv = (i + (k == "ffn")) % NL  # different levels per layer and kind
+                x.scorer.weight.zero_()
+                x.scorer.bias.copy_(torch.nn.functional.one_hot(torch.tensor(lv), NL).float())
+                masks[k].append(torch.isin(torch.arange(x.groups), x.order[:int(x.widths[lv])]))
+    const = wc.Routers.constant(model, NEST, attn=masks["attn"], ffn=masks["ffn"])
+    ids = torch.randint(0, 128, (2, 13))
+    with torch.no_grad(), wc.routing.routed(model, const):
+        want = model(input_ids=ids).logits
+    with torch.no_grad(), wc.routing.routed(model, r):
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_nested_relaxed_is_a_hard_level_pick_with_gradient_to_the_scorer():
+    from wide_compile.routing import NestedRouter
+
+    torch.manual_seed(0)
+    r = NestedRouter(16, 6, levels=3, rank=4).set_order_(torch.tensor([3, 1, 5, 0, 2, 4]))
+    h = torch.randn(3, 7, 16)
+    m = r.relaxed(h, 0.7, noise=False)
+    assert torch.equal(m.bool(), r(h) > 0) and set(m.unique().tolist()) <= {0.0, 1.0}
+    w = torch.randn(3, 7, 6)
+    (m * w).sum().backward()
+    soft = torch.softmax(fns.lowrank_scores(h, r.scorer_in.weight, r.scorer_in.bias, r.scorer.weight,
+                                            r.scorer.bias) / 0.7, -1) @ r.level_masks().float()
+    want = torch.autograd.grad((soft * w).sum(), [r.scorer.weight, r.scorer_in.weight])
+    torch.testing.assert_close(r.scorer.weight.grad, want[0])
+    torch.testing.assert_close(r.scorer_in.weight.grad, want[1])
+    assert r.scorer.weight.grad.abs().sum() > 0
+
+
+def test_nested_calibrate_offset_checkpoint_and_compiled(tmp_path):
+    from wide_compile.routing.calibrate import calibrate_offset_
+
+    model, ref = tiny_model("smollm2", seed=5), tiny_model("smollm2", seed=5)
+    ids = torch.randint(0, 128, (4, 32))
+    routers = wc.Routers.init(model, NEST_WIDE, seed=6)
+    calibrate_offset_(model, routers, ids, 0.5, tol=0.03, log=lambda *_: None)
+    assert float(routers.ffn[0].tilt) != 0.0
+    with wc.routing.routed(model, routers):
+        assert wc.measure_capacity(model, ids)["overall"] == pytest.approx(0.5, abs=0.03)
+    routers.save(tmp_path / "n.safetensors")
+    with pytest.raises(ValueError, match="holds structure='nested' routers, but structure='codebook'"):
+        wc.Routers.load(tmp_path / "n.safetensors", model, structure="codebook")
+    loaded = wc.Routers.load(tmp_path / "n.safetensors", model, structure="nested")
+    for a, b in zip(every_router(loaded), every_router(routers)):
+        assert torch.equal(a.order, b.order) and torch.equal(a.tilt, b.tilt)
+    wc.attach(ref, loaded)
+    cm = wc.optimize(model, routers, inductor=False)
+    x = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=x).logits, ref(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+    assert all(r["mlp"]["status"] == "rewritten" for r in wc.explain(cm).layers)

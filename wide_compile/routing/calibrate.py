@@ -38,7 +38,10 @@ def calibrate_groups_(routers, model, input_ids: torch.Tensor, capacity: float |
     for kind in ("attn", "ffn"):
         for i, r in enumerate(getattr(routers, kind)):
             if not hasattr(r, "margin_bias"):
-                raise ValueError("calibrate_ needs learned (GroupRouter / PairRouter) routers")
+                raise ValueError("calibrate_ needs learned (GroupRouter / PairRouter / CodebookRouter) routers")
+            if r.margin_bias().shape[-1:] != (r.groups,):
+                raise ValueError(f"calibrate_ sets one margin per group; {type(r).__name__} has one margin per "
+                                 "router: use calibrate_offset_ (one offset per router kind)")
             lg = rec[kind][i].reshape(-1, r.groups).float()
             if valid is not None:
                 lg = lg[valid]

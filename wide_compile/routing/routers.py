@@ -217,6 +217,82 @@ class CodebookRouter(_RouterBase):
         return _StraightThroughTo.apply(hard, soft)
 
 
+class NestedRouter(_RouterBase):
+    """structure="nested": per token a width level over a fixed order of the groups.
+
+    order [G] (long buffer): the layer's groups, most important first; pos [G] its inverse (a group's rank).
+    widths [P]: the number of groups level l keeps. A scorer (as CodebookRouter's) maps h[..., D] to level
+    scores [..., P]; the token takes the argmax level of scores + tilt * level, and its mask is the first
+    widths[level] groups of the order (pos < width). `tilt` (a buffer) is the margin calibration shifts.
+    `relaxed`: hard Gumbel-softmax over the levels with a straight-through gradient to the scorer (the
+    level masks are fixed)."""
+
+    def __init__(self, dim: int, groups: int, levels: int, rank: int = 0):
+        super().__init__()
+        if not 2 <= levels <= groups:
+            raise ValueError(f"NestedRouter: nested_levels={levels} must be in [2, {groups}] (the number of groups "
+                             "of this router); lower nested_levels or use smaller groups")
+        self.dim, self.groups, self.levels, self.rank = dim, groups, levels, rank
+        self.register_buffer("pos", torch.arange(groups))
+        self.register_buffer("widths", torch.tensor([-(-groups * (lv + 1) // levels) for lv in range(levels)]))
+        self.register_buffer("tilt", torch.zeros(()))
+        if rank:
+            self.scorer_in = nn.Linear(dim, rank)
+            self.scorer = nn.Linear(rank, levels)
+        else:
+            self.scorer = nn.Linear(dim, levels)
+
+    @property
+    def order(self) -> torch.Tensor:
+        """The groups, most important first [G]."""
+        return torch.argsort(self.pos)
+
+    def set_order_(self, order: torch.Tensor) -> "NestedRouter":
+        order = torch.as_tensor(order, dtype=torch.long).flatten()
+        if not torch.equal(order.sort().values, torch.arange(self.groups)):
+            raise ValueError(f"NestedRouter.set_order_: order must be a permutation of range({self.groups})")
+        with torch.no_grad():
+            self.pos[order.to(self.pos.device)] = torch.arange(self.groups, device=self.pos.device)
+        return self
+
+    def level_masks(self) -> torch.Tensor:
+        """bool [P, G]: the mask of each level."""
+        return self.pos[None, :] < self.widths[:, None]
+
+    def flops_per_token(self) -> int:
+        if self.rank:
+            return 2 * (self.dim * self.rank + self.rank * self.levels)
+        return 2 * self.dim * self.levels
+
+    def margin_bias(self) -> torch.Tensor:
+        """The level tilt (a 0-dim buffer): raising it never lowers any token's level."""
+        return self.tilt
+
+    def _tensors(self):
+        sc = ((self.scorer_in.weight, self.scorer_in.bias) if self.rank else ()) + (self.scorer.weight,
+                                                                                  self.scorer.bias)
+        names = ("w_down", "b_down", "w_up", "b_up") if self.rank else ("w", "b")
+        return (("pos", self.pos), ("widths", self.widths), ("tilt", self.tilt), *zip(names, sc))
+
+    def graph_form(self, dtype=None, rows=None):
+        return fns.nested_router_mask, self._tensors()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return fns.nested_logits(h, *(t for _, t in self._tensors()))
+
+    def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
+        sc = tuple(t for _, t in self._tensors()[3:])
+        s = fns._scores(h, sc).float()  # [..., P]
+        s = s + self.tilt * torch.arange(self.levels, device=s.device, dtype=s.dtype)
+        if noise:
+            u = torch.rand_like(s).clamp_(1e-10, 1 - 1e-7)
+            s = s - torch.log(-torch.log(u))  # + Gumbel(0, 1)
+        bits = self.level_masks().to(s.dtype)  # [P, G]
+        soft = torch.softmax(s / tau, dim=-1) @ bits
+        hard = F.embedding(s.argmax(-1), bits)
+        return _StraightThroughTo.apply(hard, soft)
+
+
 class ConstantRouter(_RouterBase):
     """Token-independent mask: logits = +-_BIG per group; costs no FLOPs."""
 
@@ -260,7 +336,7 @@ class ReplayRouter(_RouterBase):
         return torch.where(self.mask.to(h.device), _BIG, -_BIG).to(dtype=torch.float32)
 
 
-LEARNED = (GroupRouter, PairRouter, CodebookRouter)
+LEARNED = (GroupRouter, PairRouter, CodebookRouter, NestedRouter)
 
 
 def _init_group_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> GroupRouter:
@@ -310,6 +386,38 @@ def _init_codebook_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) ->
     return r
 
 
+def _init_nested_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> NestedRouter:
+    rank = cfg.router_rank if cfg.router_recipe == "wide" else 0
+    r = NestedRouter(spec.hidden_size, groups, cfg.nested_levels, rank)
+    with torch.no_grad():
+        for lin in ([r.scorer_in] if rank else []) + [r.scorer]:
+            lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
+            lin.bias.zero_()
+        if cfg.router_init == "dense":  # the widest level wins by router_init_bias over every other
+            r.scorer.weight.mul_(0.01)
+            r.scorer.bias[-1] = cfg.router_init_bias
+    return r
+
+
+def group_importance(model, spec: ModelSpec, cfg: WideConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, a weight-based importance of each attention / FFN group of the dense `model`: for a group
+    of q columns, ||q_proj rows||_F * ||o_proj columns||_F; for a group of FFN channels, the sum over its
+    channels of ||up_proj row|| * ||down_proj column|| (how much a channel can move the output)."""
+    from ..models.spec import decoder_layers
+
+    geo = cfg.geometry(spec)
+    attn, ffn = [], []
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            q, o = layer.self_attn.q_proj.weight.float(), layer.self_attn.o_proj.weight.float()
+            g, c = geo.groups("attn")
+            attn.append(q.reshape(g, c, -1).pow(2).sum((1, 2)).sqrt() * o.reshape(-1, g, c).pow(2).sum((0, 2)).sqrt())
+            up, down = layer.mlp.up_proj.weight.float(), layer.mlp.down_proj.weight.float()
+            g, c = geo.groups("ffn")
+            ffn.append((up.norm(dim=1) * down.norm(dim=0)).reshape(g, c).sum(1))
+    return attn, ffn
+
+
 class Routers(nn.Module):
     """All routers of one model: `attn[i]` and `ffn[i]` for decoder layer i."""
 
@@ -332,7 +440,8 @@ class Routers(nn.Module):
     def init(cls, model, cfg: WideConfig, seed: int | None = 0) -> "Routers":
         """Fresh routers for `model` (an HF Llama-family model or a ModelSpec).
 
-        cfg.structure "codebook" makes CodebookRouters (scorer per cfg.router_recipe); "free": cfg.router_recipe
+        cfg.structure "codebook" makes CodebookRouters (scorer per cfg.router_recipe), "nested" NestedRouters
+        (their group order from `group_importance` of `model`'s weights); "free": cfg.router_recipe
         picks the router class (GroupRouter / PairRouter). cfg.router_init == "dense"
         (default): every group starts on (margin +cfg.router_init_bias, output weights ~0), so a fresh router
         reproduces the dense model and training starts from it. "random": random projections, bias 0; use
@@ -349,14 +458,22 @@ class Routers(nn.Module):
                              "router_rank (set router_hidden=0)")
         if cfg.structure == "codebook":
             make_one = _init_codebook_router
+        elif cfg.structure == "nested":
+            make_one = _init_nested_router
         else:
             make_one = _init_pair_router if cfg.router_recipe == "wide" else _init_group_router
 
         def make(groups: int):
             return make_one(spec, cfg, groups, gen)
 
-        return cls(spec, cfg, [make(ga) for _ in range(spec.num_layers)],
-                   [make(gf) for _ in range(spec.num_layers)])
+        routers = cls(spec, cfg, [make(ga) for _ in range(spec.num_layers)],
+                      [make(gf) for _ in range(spec.num_layers)])
+        if cfg.structure == "nested" and isinstance(model, nn.Module):
+            # the order, once, from the dense weights (a ModelSpec alone keeps the identity order)
+            for kind, imp in zip(("attn", "ffn"), group_importance(model, spec, cfg)):
+                for r, x in zip(getattr(routers, kind), imp):
+                    r.set_order_(torch.argsort(x.cpu(), descending=True, stable=True))
+        return routers
 
     @classmethod
     def constant(cls, model, cfg: WideConfig, attn: Sequence, ffn: Sequence) -> "Routers":

@@ -92,8 +92,9 @@ class Stage1Config:
     router_recipe: str = "linear"
     router_rank: int = 32
     router_init_bias: float = 3.0
-    structure: str = "free"     # or "codebook": one of codebook_size learned prototype masks per token
+    structure: str = "free"     # "codebook": one of codebook_size learned prototype masks per token; "nested"
     codebook_size: int = 16
+    nested_levels: int = 8      # structure="nested": width levels per router
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -119,7 +120,8 @@ class Stage1Config:
         return WideConfig(ffn_group_size=self.ffn_group_size, head_group_size=hgs, capacity=self.capacity,
                           router_hidden=self.router_hidden, router_init="dense", router_recipe=self.router_recipe,
                           router_rank=self.router_rank, router_init_bias=self.router_init_bias,
-                          structure=self.structure, codebook_size=self.codebook_size)
+                          structure=self.structure, codebook_size=self.codebook_size,
+                          nested_levels=self.nested_levels)
 
 
 def resolve_head_group_size(value, model) -> int:
