@@ -270,11 +270,19 @@ def test_compiled_form_a_equals_eager(cfg):
     assert all(r["mlp"]["status"] == "rewritten" and r["attn"]["status"] == "rewritten" for r in ex.layers)
 
 
-def test_compiled_form_b_inserts_codebook_routers():
+@pytest.mark.parametrize("cfg", [CB, "nested"])
+def test_compiled_form_b_inserts_structured_routers(cfg):
     from test_passes_models import gptfast_pair
 
     model, ref = gptfast_pair(seed=9)
-    routers = codebook_routers(model.spec, CB, 10)
+    if cfg == "nested":  # the gpt-fast layers are not HF-named: a ModelSpec and a random order per router
+        cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", structure="nested",
+                            nested_levels=3)
+    routers = codebook_routers(model.spec, cfg, 10)
+    g = torch.Generator().manual_seed(1)
+    for r in every_router(routers):
+        if hasattr(r, "set_order_"):
+            r.set_order_(torch.randperm(r.groups, generator=g))
     ref.ref_routers = routers
     cm = wc.optimize(model, routers, inductor=False)
     idx = torch.randint(0, 128, (2, 12))
@@ -284,12 +292,18 @@ def test_compiled_form_b_inserts_codebook_routers():
     assert ex.graphs[0].form == "dense+routers" and ex.counts["insert_routers.inserted"] == 4 * len(ex.graphs)
 
 
-def test_graph_form_is_the_forward_decision():
-    r = codebook_routers(tiny_model("llama"), CB_WIDE, 7).ffn[1]
-    h = torch.randn(2, 5, r.dim)
-    fn, tensors = r.graph_form(torch.float32, 10)
-    assert fn is fns.codebook_lowrank_router_mask
-    assert torch.equal(fn(h, *(t for _, t in tensors)), r(h) > 0)
+@pytest.mark.parametrize("cfg,fn", [(CB, fns.codebook_router_mask), (CB_WIDE, fns.codebook_lowrank_router_mask),
+                                    ("nested", fns.nested_router_mask)])
+def test_graph_form_is_the_forward_decision(cfg, fn):
+    if cfg == "nested":
+        cfg = wc.WideConfig(ffn_group_size=32, router_init="random", structure="nested", nested_levels=3,
+                            router_recipe="wide", router_rank=8)
+    r = codebook_routers(tiny_model("llama"), cfg, 7).ffn[1]
+    h = torch.randn(2, 50, r.dim)
+    got_fn, tensors = r.graph_form(torch.float32, 100)
+    assert got_fn is fn
+    m = got_fn(h, *(t for _, t in tensors))
+    assert torch.equal(m, r(h) > 0) and 0 < m.float().mean() < 1
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -469,3 +483,23 @@ def test_nested_calibrate_offset_checkpoint_and_compiled(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=x).logits, ref(input_ids=x).logits, atol=1e-5, rtol=1e-5)
     assert all(r["mlp"]["status"] == "rewritten" for r in wc.explain(cm).layers)
+
+
+def test_stage1_trains_nested_routers():
+    from wide_compile.routing import NestedRouter
+    from wide_compile.training import Stage1Config, train_stage1
+    from wide_compile.training.data import TokenBlocks
+
+    torch.manual_seed(0)
+    model = tiny_model("smollm2")
+    blocks = TokenBlocks(np.random.default_rng(0).integers(0, 128, 3000), 32, heldout_frac=0.1)
+    cfg = Stage1Config(capacity=0.5, steps=6, batch_size=2, seq_len=32, lr=5e-2, cap_weight=50.0, ramp_frac=0.2,
+                       ckpt_every=1000, calibrate=False, log_every=1, eval_every=1000, eval_blocks=2,
+                       calib_blocks=2, structure="nested", nested_levels=3, ffn_group_size=32, router_init_bias=0.5)
+    start = wc.Routers.init(model, cfg.wide_config(model), seed=cfg.seed)
+    r = train_stage1(model, blocks, cfg, progress=False, log=lambda *_: None)
+    assert r.train_status == "done" and all(isinstance(x, NestedRouter) for x in every_router(r))
+    for name, before in start.state_dict().items():
+        moved = not torch.equal(r.state_dict()[name], before)
+        assert moved == (".scorer" in name), name  # the scorers train; the orders and widths stay
+    assert r.train_history[-1]["cap"] < r.train_history[0]["cap"]
