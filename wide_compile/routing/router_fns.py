@@ -102,7 +102,7 @@ def codebook_lowrank_router_mask(h, protos, w_down, b_down, w_up, b_up):
     return codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up) > 0
 
 
-def _scores(h, scorer):
+def scorer_scores(h, scorer):
     # scorer: (w, b) of a linear D -> P scorer, or (w_down, b_down, w_up, b_up) of a rank-r one
     return linear_logits(h, *scorer) if len(scorer) == 2 else lowrank_scores(h, *scorer)
 
@@ -110,7 +110,7 @@ def _scores(h, scorer):
 def nested_level(h, tilt, *scorer):
     """Each token's width level [...]: argmax over the level scores [..., P] plus tilt * level (the tilt is the
     calibration's margin: raising it never lowers a token's level)."""
-    s = _scores(h, scorer)
+    s = scorer_scores(h, scorer)
     return (s + tilt * torch.arange(s.shape[-1], device=s.device, dtype=s.dtype)).argmax(-1)
 
 

@@ -10,6 +10,8 @@ residual stream before the block's norm ("residual"); `attach` hooks the matchin
     straight-through estimator.
 With cfg.structure "codebook" (CodebookRouter) a token's mask is one of P learned prototype masks, picked
 by a scorer that reads the recipe's input; its relaxation is a hard Gumbel-softmax over the P prototypes.
+With "nested" (NestedRouter) the scorer picks a width level and the mask is a prefix of a fixed per-layer
+group order (an index into the mask; the weights are not permuted).
 Each router class owns its maths as functions of (h, *tensors) in router_fns; `graph_form` hands the pass
 the mask function and tensors, and `forward` calls the logits twin of that same function.
 """
@@ -200,8 +202,7 @@ class CodebookRouter(_RouterBase):
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Prototype scores [..., P] (float32 for fp32 scorers)."""
-        fn = fns.lowrank_scores if self.rank else fns.linear_logits
-        return fn(h, *(t for _, t in self._scorer_tensors()))
+        return fns.scorer_scores(h, tuple(t for _, t in self._scorer_tensors()))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return fns.codebook_pick(self.scores(h), self.prototypes)
@@ -282,7 +283,7 @@ class NestedRouter(_RouterBase):
 
     def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
         sc = tuple(t for _, t in self._tensors()[3:])
-        s = fns._scores(h, sc).float()  # [..., P]
+        s = fns.scorer_scores(h, sc).float()  # [..., P]
         s = s + self.tilt * torch.arange(self.levels, device=s.device, dtype=s.dtype)
         if noise:
             u = torch.rand_like(s).clamp_(1e-10, 1 - 1e-7)

@@ -92,8 +92,8 @@ class Stage1Config:
     router_recipe: str = "linear"
     router_rank: int = 32
     router_init_bias: float = 3.0
-    structure: str = "free"     # "codebook": one of codebook_size learned prototype masks per token; "nested"
-    codebook_size: int = 16
+    structure: str = "free"     # or "codebook" / "nested" (WideConfig.structure)
+    codebook_size: int = 16     # structure="codebook": prototypes per router
     nested_levels: int = 8      # structure="nested": width levels per router
     extra: dict = field(default_factory=dict)
 
