@@ -14,6 +14,7 @@ ROUTER_INITS = ("dense", "random")
 ROUTER_RECIPES = ("linear", "wide")  # linear: D -> G on the normed input; wide: D -> rank -> 2G pairs
 ROUTER_INPUTS = ("normed", "residual")
 _RECIPE_INPUT = {"linear": "normed", "wide": "residual"}
+STRUCTURES = ("free", "codebook", "nested")  # which masks a router may emit per token (see WideConfig.structure)
 
 
 def _divisors(n: int) -> list[int]:
@@ -41,6 +42,18 @@ class WideConfig:
                      residual stream before the block's norm; execute iff logit_exec > logit_skip).
     router_rank:     bottleneck width of the "wide" recipe.
     router_input:    "normed" / "residual"; "" = the recipe's own (linear: normed, wide: residual).
+    structure:       which masks a token may get. "free": any subset of groups (one decision per group, the
+                     method's routers). "codebook": per layer and kind a learned table of `codebook_size`
+                     prototype masks; a scorer (D -> P for the linear recipe, D -> router_rank -> P for the
+                     wide recipe, on the recipe's input) picks one prototype per token (argmax), and the
+                     token's mask is that prototype's row (CodebookRouter).
+                     "nested": per layer and kind a fixed order of the groups (most important first, from
+                     the dense model's weights when the routers are made) and `nested_levels` widths; a scorer
+                     picks a width level per token, whose mask is the first width groups of the order
+                     (NestedRouter; the order is applied as an index into the mask, the weights stay).
+    codebook_size:   P, the number of prototypes per codebook router (>= 2).
+    nested_levels:   the number of width levels of a nested router (>= 2; at most the number of groups);
+                     level l keeps ceil(G * (l + 1) / nested_levels) of the G groups.
     """
 
     ffn_group_size: int = 64
@@ -52,8 +65,25 @@ class WideConfig:
     router_recipe: str = "linear"
     router_rank: int = 32
     router_input: str = ""
+    structure: str = "free"
+    codebook_size: int = 16
+    nested_levels: int = 8
 
     def __post_init__(self) -> None:
+        if self.structure not in STRUCTURES:
+            raise ValueError(f"WideConfig.structure must be one of {STRUCTURES}, got {self.structure!r}")
+        p = self.codebook_size
+        if not isinstance(p, int) or isinstance(p, bool) or p < 2:
+            raise ValueError(f"WideConfig.codebook_size must be an integer >= 2 (prototypes per codebook router), "
+                             f"got {p!r}")
+        n = self.nested_levels
+        if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+            raise ValueError(f"WideConfig.nested_levels must be an integer >= 2 (width levels per nested router), "
+                             f"got {n!r}")
+        if self.structure != "free" and self.router_hidden:
+            raise ValueError(f"WideConfig: structure={self.structure!r} scores its choices with a linear "
+                             "(router_recipe 'linear') or rank-router_rank ('wide') scorer; router_hidden applies "
+                             "only to structure='free' (set router_hidden=0)")
         if self.router_recipe not in ROUTER_RECIPES:
             raise ValueError(f"WideConfig.router_recipe must be one of {ROUTER_RECIPES}, got {self.router_recipe!r}")
         if not isinstance(self.router_rank, int) or isinstance(self.router_rank, bool) or self.router_rank < 1:

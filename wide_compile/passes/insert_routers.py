@@ -83,7 +83,7 @@ def _router_node(ctx: PassContext, router, x, h, tag: str):
     dev = getattr(meta(x), "device", None)
     if not hasattr(router, "graph_form"):
         raise ValueError(f"wide_compile: cannot insert a router of type {type(router).__name__} into the graph "
-                         "(it has no graph_form; supported: GroupRouter, PairRouter, ConstantRouter, ReplayRouter)")
+                         "(it has no graph_form; supported: GroupRouter, PairRouter, CodebookRouter, NestedRouter, ConstantRouter, ReplayRouter)")
     m = meta(h)
     fn, tensors = router.graph_form(m.dtype if m is not None else None, static_rows(h) if m is not None else None)
 

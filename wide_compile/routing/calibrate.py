@@ -38,15 +38,34 @@ def calibrate_groups_(routers, model, input_ids: torch.Tensor, capacity: float |
     for kind in ("attn", "ffn"):
         for i, r in enumerate(getattr(routers, kind)):
             if not hasattr(r, "margin_bias"):
-                raise ValueError("calibrate_ needs learned (GroupRouter / PairRouter) routers")
+                raise ValueError("calibrate_ needs learned (GroupRouter / PairRouter / CodebookRouter) routers")
+            if r.margin_bias().shape[-1:] != (r.groups,):
+                raise ValueError(f"calibrate_ sets one margin per group; {type(r).__name__} has one margin per "
+                                 "router: use calibrate_offset_ (one offset per router kind)")
             lg = rec[kind][i].reshape(-1, r.groups).float()
             if valid is not None:
                 lg = lg[valid]
             # per group: shift so that a fraction `rate` of tokens has logit > 0
             q = torch.quantile(lg, 1.0 - rate, dim=0) if rate < 1 else lg.min(0).values - 1.0
+            if hasattr(r, "prototypes"):  # a codebook's logits take P values per group: cut between two
+                q = _cut_between_values(lg, rate)
             bias = r.margin_bias()
             bias -= q.to(bias.dtype)
     return routers
+
+
+def _cut_between_values(lg: torch.Tensor, rate: float) -> torch.Tensor:
+    """Per column of lg [N, G], the threshold midway between two consecutive distinct values whose count of
+    logits above it is nearest rate * N. For logits that take few distinct values (a codebook's P
+    prototypes), where a quantile lands on a tie and the whole tie falls off."""
+    n = lg.shape[0]
+    v = lg.sort(0).values  # ascending
+    lo = torch.cat([v[:1] - 1.0, v])  # [N+1, G]: the value just below cut j (j = 0..N)
+    hi = torch.cat([v, v[-1:] + 1.0])  # the value just above cut j; cut j keeps n - j tokens
+    kept = torch.arange(n, -1, -1, device=lg.device, dtype=lg.dtype)[:, None]
+    cost = (kept - rate * n).abs().masked_fill(lo >= hi, float("inf"))  # a cut inside a tie does not exist
+    j = cost.argmin(0, keepdim=True)
+    return (0.5 * (lo.gather(0, j) + hi.gather(0, j)))[0]
 
 
 def _autocast(device, enabled: bool):

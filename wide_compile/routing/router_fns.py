@@ -72,3 +72,55 @@ def constant_router_mask(h, mask):
 def replay_router_mask(h, mask):
     # mask: [..., T, G] recorded for exactly h's token shape
     return mask.view(*h.shape[:-1], mask.shape[-1])
+
+
+def codebook_pick(scores, protos):
+    """The logits row [..., G] of each token's prototype: argmax over scores [..., P] (first on ties) indexes
+    the prototype table protos [P, G]."""
+    return F.embedding(scores.argmax(-1), protos)
+
+
+def codebook_logits(h, protos, w, b):
+    # h: [..., D], protos: [P, G], w: [P, D], b: [P] -> the chosen prototype's logits [..., G]
+    return codebook_pick(linear_logits(h, w, b), protos)
+
+
+def codebook_router_mask(h, protos, w, b):
+    return codebook_logits(h, protos, w, b) > 0
+
+
+def lowrank_scores(h, w_down, b_down, w_up, b_up):
+    # h: [..., D] -> [..., r] -> [..., P]
+    return F.linear(F.linear(h.to(w_down.dtype), w_down, b_down), w_up, b_up)
+
+
+def codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up):
+    return codebook_pick(lowrank_scores(h, w_down, b_down, w_up, b_up), protos)
+
+
+def codebook_lowrank_router_mask(h, protos, w_down, b_down, w_up, b_up):
+    return codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up) > 0
+
+
+def scorer_scores(h, scorer):
+    # scorer: (w, b) of a linear D -> P scorer, or (w_down, b_down, w_up, b_up) of a rank-r one
+    return linear_logits(h, *scorer) if len(scorer) == 2 else lowrank_scores(h, *scorer)
+
+
+def nested_level(h, tilt, *scorer):
+    """Each token's width level [...]: argmax over the level scores [..., P] plus tilt * level (the tilt is the
+    calibration's margin: raising it never lowers a token's level)."""
+    s = scorer_scores(h, scorer)
+    return (s + tilt * torch.arange(s.shape[-1], device=s.device, dtype=s.dtype)).argmax(-1)
+
+
+def nested_logits(h, pos, widths, tilt, *scorer):
+    """+-30 logits [..., G]: group g executes iff its position in the layer's order pos[g] is below the width
+    of the token's level (widths [P], long)."""
+    width = widths[nested_level(h, tilt, *scorer)]  # [...]
+    keep = pos < width.unsqueeze(-1)
+    return torch.where(keep, 30.0, -30.0).to(torch.float32)
+
+
+def nested_router_mask(h, pos, widths, tilt, *scorer):
+    return pos < widths[nested_level(h, tilt, *scorer)].unsqueeze(-1)

@@ -8,6 +8,10 @@ residual stream before the block's norm ("residual"); `attach` hooks the matchin
   * "wide" (PairRouter, the method's recipe): h -> rank r -> one (skip, execute) logit pair per group;
     its logits are the margin exec - skip; training uses a hard Gumbel-softmax over each pair with a
     straight-through estimator.
+With cfg.structure "codebook" (CodebookRouter) a token's mask is one of P learned prototype masks, picked
+by a scorer that reads the recipe's input; its relaxation is a hard Gumbel-softmax over the P prototypes.
+With "nested" (NestedRouter) the scorer picks a width level and the mask is a prefix of a fixed per-layer
+group order (an index into the mask; the weights are not permuted).
 Each router class owns its maths as functions of (h, *tensors) in router_fns; `graph_form` hands the pass
 the mask function and tensors, and `forward` calls the logits twin of that same function.
 """
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import WideConfig
@@ -153,6 +158,142 @@ class PairRouter(_RouterBase):
         return _StraightThrough.apply(soft)
 
 
+class CodebookRouter(_RouterBase):
+    """structure="codebook": a learned table of P prototype masks and a scorer that picks one per token.
+
+    prototypes [P, G] are logits (the hard prototype is logits > 0); the scorer maps h[..., D] to scores
+    [..., P] (linear D -> P, or D -> rank -> P when rank > 0). forward returns the chosen prototype's logits
+    row (float32 [..., G], execute iff > 0), so the mask is always one of the P prototype masks. The
+    prototypes are the margins (`margin_bias`): shifting them shifts every token's logits alike, which is
+    what capacity calibration needs. `relaxed`: hard Gumbel-softmax over the P scores times the hard
+    prototype bits in the forward; the backward is that of softmax((scores + g) / tau) @ sigmoid(prototypes
+    / tau) (straight through the pick and the bits together), so gradients reach the scorer and the
+    prototypes."""
+
+    def __init__(self, dim: int, groups: int, prototypes: int, rank: int = 0):
+        super().__init__()
+        self.dim, self.groups, self.num_prototypes, self.rank = dim, groups, prototypes, rank
+        self.prototypes = nn.Parameter(torch.zeros(prototypes, groups))
+        if rank:
+            self.scorer_in = nn.Linear(dim, rank)
+            self.scorer = nn.Linear(rank, prototypes)
+        else:
+            self.scorer = nn.Linear(dim, prototypes)
+
+    def flops_per_token(self) -> int:
+        # the pick is a row lookup; only the scorer multiplies
+        if self.rank:
+            return 2 * (self.dim * self.rank + self.rank * self.num_prototypes)
+        return 2 * self.dim * self.num_prototypes
+
+    def margin_bias(self) -> torch.Tensor:
+        """The prototype logits [P, G]: raising them by d (broadcast over P) raises every token's logits by d."""
+        return self.prototypes
+
+    def _scorer_tensors(self):
+        if self.rank:
+            return (("w_down", self.scorer_in.weight), ("b_down", self.scorer_in.bias), ("w_up", self.scorer.weight),
+                    ("b_up", self.scorer.bias))
+        return (("w", self.scorer.weight), ("b", self.scorer.bias))
+
+    def graph_form(self, dtype=None, rows=None):
+        fn = fns.codebook_lowrank_router_mask if self.rank else fns.codebook_router_mask
+        return fn, (("protos", self.prototypes), *self._scorer_tensors())
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """Prototype scores [..., P] (float32 for fp32 scorers)."""
+        return fns.scorer_scores(h, tuple(t for _, t in self._scorer_tensors()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return fns.codebook_pick(self.scores(h), self.prototypes)
+
+    def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
+        s = self.scores(h).float()  # [..., P]
+        if noise:
+            u = torch.rand_like(s).clamp_(1e-10, 1 - 1e-7)
+            s = s - torch.log(-torch.log(u))  # + Gumbel(0, 1)
+        protos = self.prototypes.float()
+        soft = torch.softmax(s / tau, dim=-1) @ torch.sigmoid(protos / tau)  # [..., G]
+        hard = F.embedding(s.argmax(-1), (protos > 0).to(soft.dtype))
+        return _StraightThroughTo.apply(hard, soft)
+
+
+class NestedRouter(_RouterBase):
+    """structure="nested": per token a width level over a fixed order of the groups.
+
+    order [G] (long buffer): the layer's groups, most important first; pos [G] its inverse (a group's rank).
+    widths [P]: the number of groups level l keeps. A scorer (as CodebookRouter's) maps h[..., D] to level
+    scores [..., P]; the token takes the argmax level of scores + tilt * level, and its mask is the first
+    widths[level] groups of the order (pos < width). `tilt` (a buffer) is the margin calibration shifts.
+    `relaxed`: hard Gumbel-softmax over the levels with a straight-through gradient to the scorer (the
+    level masks are fixed)."""
+
+    def __init__(self, dim: int, groups: int, levels: int, rank: int = 0):
+        super().__init__()
+        if not 2 <= levels <= groups:
+            raise ValueError(f"NestedRouter: nested_levels={levels} must be in [2, {groups}] (the number of groups "
+                             "of this router); lower nested_levels or use smaller groups")
+        self.dim, self.groups, self.levels, self.rank = dim, groups, levels, rank
+        self.register_buffer("pos", torch.arange(groups))
+        self.register_buffer("widths", torch.tensor([-(-groups * (lv + 1) // levels) for lv in range(levels)]))
+        self.register_buffer("tilt", torch.zeros(()))
+        if rank:
+            self.scorer_in = nn.Linear(dim, rank)
+            self.scorer = nn.Linear(rank, levels)
+        else:
+            self.scorer = nn.Linear(dim, levels)
+
+    @property
+    def order(self) -> torch.Tensor:
+        """The groups, most important first [G]."""
+        return torch.argsort(self.pos)
+
+    def set_order_(self, order: torch.Tensor) -> "NestedRouter":
+        order = torch.as_tensor(order, dtype=torch.long).flatten()
+        if not torch.equal(order.sort().values, torch.arange(self.groups)):
+            raise ValueError(f"NestedRouter.set_order_: order must be a permutation of range({self.groups})")
+        with torch.no_grad():
+            self.pos[order.to(self.pos.device)] = torch.arange(self.groups, device=self.pos.device)
+        return self
+
+    def level_masks(self) -> torch.Tensor:
+        """bool [P, G]: the mask of each level."""
+        return self.pos[None, :] < self.widths[:, None]
+
+    def flops_per_token(self) -> int:
+        if self.rank:
+            return 2 * (self.dim * self.rank + self.rank * self.levels)
+        return 2 * self.dim * self.levels
+
+    def margin_bias(self) -> torch.Tensor:
+        """The level tilt (a 0-dim buffer): raising it never lowers any token's level."""
+        return self.tilt
+
+    def _tensors(self):
+        sc = ((self.scorer_in.weight, self.scorer_in.bias) if self.rank else ()) + (self.scorer.weight,
+                                                                                  self.scorer.bias)
+        names = ("w_down", "b_down", "w_up", "b_up") if self.rank else ("w", "b")
+        return (("pos", self.pos), ("widths", self.widths), ("tilt", self.tilt), *zip(names, sc))
+
+    def graph_form(self, dtype=None, rows=None):
+        return fns.nested_router_mask, self._tensors()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return fns.nested_logits(h, *(t for _, t in self._tensors()))
+
+    def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
+        sc = tuple(t for _, t in self._tensors()[3:])
+        s = fns.scorer_scores(h, sc).float()  # [..., P]
+        s = s + self.tilt * torch.arange(self.levels, device=s.device, dtype=s.dtype)
+        if noise:
+            u = torch.rand_like(s).clamp_(1e-10, 1 - 1e-7)
+            s = s - torch.log(-torch.log(u))  # + Gumbel(0, 1)
+        bits = self.level_masks().to(s.dtype)  # [P, G]
+        soft = torch.softmax(s / tau, dim=-1) @ bits
+        hard = F.embedding(s.argmax(-1), bits)
+        return _StraightThroughTo.apply(hard, soft)
+
+
 class ConstantRouter(_RouterBase):
     """Token-independent mask: logits = +-_BIG per group; costs no FLOPs."""
 
@@ -196,7 +337,7 @@ class ReplayRouter(_RouterBase):
         return torch.where(self.mask.to(h.device), _BIG, -_BIG).to(dtype=torch.float32)
 
 
-LEARNED = (GroupRouter, PairRouter)
+LEARNED = (GroupRouter, PairRouter, CodebookRouter, NestedRouter)
 
 
 def _init_group_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> GroupRouter:
@@ -229,6 +370,55 @@ def _init_pair_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> Pai
     return r
 
 
+def _init_codebook_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> CodebookRouter:
+    rank = cfg.router_rank if cfg.router_recipe == "wide" else 0
+    r = CodebookRouter(spec.hidden_size, groups, cfg.codebook_size, rank)
+    with torch.no_grad():
+        for lin in ([r.scorer_in] if rank else []) + [r.scorer]:
+            lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
+            lin.bias.zero_()
+        if cfg.router_init == "dense":
+            # every prototype all on (logits near +router_init_bias), slightly different so that the
+            # relaxation's gradient already tells prototypes, and so the scorer's choices, apart
+            b = cfg.router_init_bias
+            r.prototypes.normal_(0.0, 0.1 * abs(b), generator=gen).add_(b)
+        else:
+            r.prototypes.normal_(0.0, 1.0, generator=gen)
+    return r
+
+
+def _init_nested_router(spec: ModelSpec, cfg: WideConfig, groups: int, gen) -> NestedRouter:
+    rank = cfg.router_rank if cfg.router_recipe == "wide" else 0
+    r = NestedRouter(spec.hidden_size, groups, cfg.nested_levels, rank)
+    with torch.no_grad():
+        for lin in ([r.scorer_in] if rank else []) + [r.scorer]:
+            lin.weight.normal_(0.0, 1.0 / math.sqrt(lin.in_features), generator=gen)
+            lin.bias.zero_()
+        if cfg.router_init == "dense":  # the widest level wins by router_init_bias over every other
+            r.scorer.weight.mul_(0.01)
+            r.scorer.bias[-1] = cfg.router_init_bias
+    return r
+
+
+def group_importance(model, spec: ModelSpec, cfg: WideConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, a weight-based importance of each attention / FFN group of the dense `model`: for a group
+    of q columns, ||q_proj rows||_F * ||o_proj columns||_F; for a group of FFN channels, the sum over its
+    channels of ||up_proj row|| * ||down_proj column|| (how much a channel can move the output)."""
+    from ..models.spec import decoder_layers
+
+    geo = cfg.geometry(spec)
+    attn, ffn = [], []
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            q, o = layer.self_attn.q_proj.weight.float(), layer.self_attn.o_proj.weight.float()
+            g, c = geo.groups("attn")
+            attn.append(q.reshape(g, c, -1).pow(2).sum((1, 2)).sqrt() * o.reshape(-1, g, c).pow(2).sum((0, 2)).sqrt())
+            up, down = layer.mlp.up_proj.weight.float(), layer.mlp.down_proj.weight.float()
+            g, c = geo.groups("ffn")
+            ffn.append((up.norm(dim=1) * down.norm(dim=0)).reshape(g, c).sum(1))
+    return attn, ffn
+
+
 class Routers(nn.Module):
     """All routers of one model: `attn[i]` and `ffn[i]` for decoder layer i."""
 
@@ -251,7 +441,9 @@ class Routers(nn.Module):
     def init(cls, model, cfg: WideConfig, seed: int | None = 0) -> "Routers":
         """Fresh routers for `model` (an HF Llama-family model or a ModelSpec).
 
-        cfg.router_recipe picks the router class (GroupRouter / PairRouter). cfg.router_init == "dense"
+        cfg.structure "codebook" makes CodebookRouters (scorer per cfg.router_recipe), "nested" NestedRouters
+        (their group order from `group_importance` of `model`'s weights); "free": cfg.router_recipe
+        picks the router class (GroupRouter / PairRouter). cfg.router_init == "dense"
         (default): every group starts on (margin +cfg.router_init_bias, output weights ~0), so a fresh router
         reproduces the dense model and training starts from it. "random": random projections, bias 0; use
         `calibrate_` to hit a capacity on real tokens.
@@ -265,13 +457,24 @@ class Routers(nn.Module):
         if cfg.router_recipe == "wide" and cfg.router_hidden:
             raise ValueError("router_hidden applies to the linear recipe; the wide recipe's bottleneck is "
                              "router_rank (set router_hidden=0)")
-        make_one = _init_pair_router if cfg.router_recipe == "wide" else _init_group_router
+        if cfg.structure == "codebook":
+            make_one = _init_codebook_router
+        elif cfg.structure == "nested":
+            make_one = _init_nested_router
+        else:
+            make_one = _init_pair_router if cfg.router_recipe == "wide" else _init_group_router
 
         def make(groups: int):
             return make_one(spec, cfg, groups, gen)
 
-        return cls(spec, cfg, [make(ga) for _ in range(spec.num_layers)],
-                   [make(gf) for _ in range(spec.num_layers)])
+        routers = cls(spec, cfg, [make(ga) for _ in range(spec.num_layers)],
+                      [make(gf) for _ in range(spec.num_layers)])
+        if cfg.structure == "nested" and isinstance(model, nn.Module):
+            # the order, once, from the dense weights (a ModelSpec alone keeps the identity order)
+            for kind, imp in zip(("attn", "ffn"), group_importance(model, spec, cfg)):
+                for r, x in zip(getattr(routers, kind), imp):
+                    r.set_order_(torch.argsort(x.cpu(), descending=True, stable=True))
+        return routers
 
     @classmethod
     def constant(cls, model, cfg: WideConfig, attn: Sequence, ffn: Sequence) -> "Routers":
@@ -352,6 +555,7 @@ class Routers(nn.Module):
         types = [type(r).__name__ for r in list(self.attn) + list(self.ffn)]
         return {"format": str(FORMAT_VERSION), "config": self.cfg.to_json(), "spec": self.spec.to_json(),
                 "fingerprint": self.spec.fingerprint(), "kind": self.kind, "router_types": json.dumps(types),
+                "structure": self.cfg.structure,
                 "name": self.name or ""}
 
     def save(self, path) -> None:
@@ -364,8 +568,9 @@ class Routers(nn.Module):
         save_file(tensors, str(path), metadata=self._metadata())
 
     @classmethod
-    def load(cls, path, model) -> "Routers":
-        """Load routers saved by `save` onto `model`; ValueError if they were made for another shape."""
+    def load(cls, path, model, structure: str | None = None) -> "Routers":
+        """Load routers saved by `save` onto `model`; ValueError if they were made for another shape, or, when
+        `structure` is given ("free" / "codebook"), if the checkpoint holds routers of another structure."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -376,7 +581,8 @@ class Routers(nn.Module):
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         if "spec" not in meta or "config" not in meta:
             raise ValueError(f"{path} is not a wide_compile router checkpoint (no config/spec metadata)")
-        saved_spec, cfg = ModelSpec.from_json(meta["spec"]), WideConfig.from_json(meta["config"])
+        saved_spec = ModelSpec.from_json(meta["spec"])
+        cfg = _checkpoint_config(path, meta, structure)
         spec = model_spec(model)
         if saved_spec != spec:
             diff = {k: (getattr(saved_spec, k), getattr(spec, k)) for k in saved_spec.__dataclass_fields__
@@ -419,6 +625,26 @@ class Routers(nn.Module):
         return calibrate_groups_(self, model, input_ids, capacity, attention_mask)
 
 
+def _checkpoint_config(path, meta: dict, structure: str | None) -> WideConfig:
+    """The WideConfig a checkpoint was saved with, checked against the structure the caller asks for."""
+    from ..config import STRUCTURES
+
+    if structure is not None and structure not in STRUCTURES:
+        raise ValueError(f"Routers.load: structure must be one of {STRUCTURES} (or None: any), got {structure!r}")
+    saved = json.loads(meta["config"]).get("structure", "free")  # checkpoints before structures were free
+    if meta.get("structure", saved) != saved:
+        raise ValueError(f"router checkpoint {path} is inconsistent: its metadata says structure "
+                         f"{meta['structure']!r}, its config {saved!r}")
+    if saved not in STRUCTURES:
+        raise ValueError(f"router checkpoint {path} holds routers of structure {saved!r}, which this version of "
+                         f"wide_compile cannot load (it knows {STRUCTURES}); use the version that saved it")
+    if structure is not None and saved != structure:
+        raise ValueError(f"router checkpoint {path} holds structure={saved!r} routers, but structure={structure!r} "
+                         f"was asked for; load routers trained with structure={structure!r} (or pass "
+                         f"structure={saved!r})")
+    return WideConfig.from_json(meta["config"])
+
+
 def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> torch.Tensor:
     """Straight-through Gumbel-sigmoid: forward hard (0/1), backward d sigmoid((logits+g)/tau)."""
     if noise:
@@ -426,6 +652,19 @@ def gumbel_sigmoid_st(logits: torch.Tensor, tau: float, noise: bool = True) -> t
         logits = logits + (torch.log(u) - torch.log1p(-u))
     soft = torch.sigmoid(logits / tau)
     return _StraightThrough.apply(soft)
+
+
+class _StraightThroughTo(torch.autograd.Function):
+    """Forward: `hard` exactly; backward: the gradient goes to `soft` unchanged (a straight-through
+    estimator whose hard value is not a threshold of soft)."""
+
+    @staticmethod
+    def forward(ctx, hard, soft):
+        return hard.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -92,6 +92,9 @@ class Stage1Config:
     router_recipe: str = "linear"
     router_rank: int = 32
     router_init_bias: float = 3.0
+    structure: str = "free"     # or "codebook" / "nested" (WideConfig.structure)
+    codebook_size: int = 16     # structure="codebook": prototypes per router
+    nested_levels: int = 8      # structure="nested": width levels per router
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -116,7 +119,9 @@ class Stage1Config:
             raise ValueError(f"head_group_size={hgs!r} needs the model to resolve; pass wide_config(model)")
         return WideConfig(ffn_group_size=self.ffn_group_size, head_group_size=hgs, capacity=self.capacity,
                           router_hidden=self.router_hidden, router_init="dense", router_recipe=self.router_recipe,
-                          router_rank=self.router_rank, router_init_bias=self.router_init_bias)
+                          router_rank=self.router_rank, router_init_bias=self.router_init_bias,
+                          structure=self.structure, codebook_size=self.codebook_size,
+                          nested_levels=self.nested_levels)
 
 
 def resolve_head_group_size(value, model) -> int:
@@ -156,9 +161,10 @@ def auto_eval_every(cfg, steps: int) -> int:
 
 
 def router_optimizer(routers: Routers, cfg) -> torch.optim.AdamW:
-    """AdamW over the router parameters; the margin biases get lr * bias_lr_mult."""
+    """AdamW over the router parameters; the margins (free routers' biases, codebook prototypes) get
+    lr * bias_lr_mult."""
     named = [(n, p) for n, p in routers.named_parameters() if p.requires_grad]
-    is_bias = lambda n: n.endswith(("proj.bias", "up.bias"))  # noqa: E731
+    is_bias = lambda n: n.endswith(("proj.bias", "up.bias", ".prototypes"))  # noqa: E731
     groups = [{"params": [p for n, p in named if not is_bias(n)], "base_lr": cfg.lr},
               {"params": [p for n, p in named if is_bias(n)], "base_lr": cfg.lr * cfg.bias_lr_mult}]
     for g in groups:
