@@ -503,3 +503,21 @@ def test_stage1_trains_nested_routers():
         moved = not torch.equal(r.state_dict()[name], before)
         assert moved == (".scorer" in name), name  # the scorers train; the orders and widths stay
     assert r.train_history[-1]["cap"] < r.train_history[0]["cap"]
+
+
+def test_nested_attention_order_keeps_kv_heads_together():
+    """With 1-head groups and 2 query heads per KV head, the nested order lists both groups of a KV head
+    next to each other: KV heads by total importance, then the groups within each."""
+    from wide_compile.config import GroupGeometry
+    from wide_compile.routing.routers import attention_order
+
+    geo = GroupGeometry(hidden_size=64, num_heads=6, num_kv_heads=3, head_dim=16, head_group_size=1,
+                        intermediate_size=64, ffn_group_size=16)
+    imp = torch.tensor([0.1, 5.0, 3.0, 2.9, 0.2, 0.3])         # KV heads: 5.1, 5.9, 0.5
+    assert attention_order(imp, geo).tolist() == [2, 3, 1, 0, 5, 4]
+    model = tiny_model("llama")                                  # 4 query heads, 2 KV heads
+    r = wc.Routers.init(model, wc.WideConfig(structure="nested", nested_levels=4, head_group_size=1,
+                                             ffn_group_size=16))
+    for a in r.attn:
+        kv = (a.order // 2).tolist()
+        assert kv[0] == kv[1] and kv[2] == kv[3] and sorted(a.order.tolist()) == [0, 1, 2, 3]

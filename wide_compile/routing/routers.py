@@ -419,6 +419,19 @@ def group_importance(model, spec: ModelSpec, cfg: WideConfig) -> tuple[list[torc
     return attn, ffn
 
 
+def attention_order(importance: torch.Tensor, geo) -> torch.Tensor:
+    """Head groups most important first, keeping the groups of one KV head together when groups are finer than
+    KV heads (KV heads by their groups' total importance, then the groups within each), so a nested width
+    level ends on whole KV heads as often as the levels allow."""
+    per_kv = (geo.num_heads // geo.num_kv_heads) // geo.head_group_size if geo.num_kv_heads else 0
+    if per_kv <= 1 or (geo.num_heads // geo.num_kv_heads) % geo.head_group_size:
+        return torch.argsort(importance, descending=True, stable=True)
+    blocks = importance.reshape(-1, per_kv)                                   # [Hkv, groups per KV head]
+    kv_first = torch.argsort(blocks.sum(1), descending=True, stable=True)
+    within = torch.argsort(blocks, dim=1, descending=True, stable=True)       # [Hkv, per_kv]
+    return (kv_first[:, None] * per_kv + within[kv_first]).reshape(-1)
+
+
 class Routers(nn.Module):
     """All routers of one model: `attn[i]` and `ffn[i]` for decoder layer i."""
 
@@ -471,9 +484,12 @@ class Routers(nn.Module):
                       [make(gf) for _ in range(spec.num_layers)])
         if cfg.structure == "nested" and isinstance(model, nn.Module):
             # the order, once, from the dense weights (a ModelSpec alone keeps the identity order)
+            geo = cfg.geometry(spec)
             for kind, imp in zip(("attn", "ffn"), group_importance(model, spec, cfg)):
                 for r, x in zip(getattr(routers, kind), imp):
-                    r.set_order_(torch.argsort(x.cpu(), descending=True, stable=True))
+                    order = attention_order(x.cpu(), geo) if kind == "attn" else \
+                        torch.argsort(x.cpu(), descending=True, stable=True)
+                    r.set_order_(order)
         return routers
 
     @classmethod
