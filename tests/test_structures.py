@@ -81,11 +81,11 @@ def test_dense_init_is_all_on_and_equals_dense():
 
 
 # ---------------------------------------------------------------------------------------- eager semantics
-def _by_hand(model, routers, ids, min_gap):
-    """The codebook written out in float64: scorer on q_proj's / gate_proj's input (the linear recipe's
-    normed input), argmax over the P scores, the chosen prototype's row > 0 zeroes o_proj / down_proj input
-    groups. Records the smallest gap between the best and second-best score, so a test can tell that no pick
-    sits within rounding of a tie."""
+def _run_by_hand(model, routers, ids, min_gap, mask_of):
+    """The model run with each layer's o_proj / down_proj input groups zeroed by hand: a scorer written out
+    in float64 on q_proj's / gate_proj's input (the linear recipe's normed input), then
+    `mask_of(router, scores)` -> bool [B, S, G]. Records the smallest gap between the best and second-best
+    score, so a test can tell that no pick sits within rounding of a tie."""
     seen, hooks = {}, []
     spec = routers.spec
     for i, layer in enumerate(decoder_layers(model)):
@@ -98,8 +98,7 @@ def _by_hand(model, routers, ids, min_gap):
                 s = seen[(kind, i)].double() @ r.scorer.weight.double().T + r.scorer.bias.double()  # [B, S, P]
                 top2 = s.topk(2, -1).values
                 min_gap.append(float((top2[..., 0] - top2[..., 1]).min().detach()))
-                mask = (r.prototypes.double() > 0)[s.argmax(-1)]  # [B, S, G]
-                return (a[0] * mask.repeat_interleave(gs, -1).to(a[0].dtype),)
+                return (a[0] * mask_of(r, s).repeat_interleave(gs, -1).to(a[0].dtype),)
             return pre
 
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(zero("attn", i, spec.head_dim)))
@@ -109,6 +108,12 @@ def _by_hand(model, routers, ids, min_gap):
     finally:
         for h in hooks:
             h.remove()
+
+
+def _by_hand(model, routers, ids, min_gap):
+    """The codebook by hand: argmax over the P scores, the chosen prototype's row > 0 is the mask."""
+    return _run_by_hand(model, routers, ids, min_gap,
+                        lambda r, s: (r.prototypes.double() > 0)[s.argmax(-1)])  # [B, S, G]
 
 
 def test_attach_executes_the_codebook_exactly():
@@ -378,34 +383,16 @@ def test_nested_dense_init_equals_dense():
 
 
 def _nested_by_hand(model, routers, ids, min_gap):
-    """Nested routing in float64: level = argmax of the scorer on the normed input, mask = the first
-    widths[level] groups of the layer's order."""
-    seen, hooks = {}, []
-    spec = routers.spec
-    for i, layer in enumerate(decoder_layers(model)):
-        for kind, mod in (("attn", layer.self_attn.q_proj), ("ffn", layer.mlp.gate_proj)):
-            hooks.append(mod.register_forward_pre_hook(lambda m, a, i=i, k=kind: seen.__setitem__((k, i), a[0])))
+    """Nested routing by hand: level = argmax of the scorer, mask = the first widths[level] groups of the
+    layer's order."""
+    def prefix_of_order(r, s):
+        width = r.widths[s.argmax(-1)]  # [B, S]
+        mask = torch.zeros(*width.shape, r.groups, dtype=torch.bool)
+        for g_rank, g in enumerate(r.order.tolist()):
+            mask[..., g] = g_rank < width
+        return mask
 
-        def zero(kind, i, gs):
-            def pre(m, a):
-                r = getattr(routers, kind)[i]
-                s = seen[(kind, i)].double() @ r.scorer.weight.double().T + r.scorer.bias.double()
-                top2 = s.topk(2, -1).values
-                min_gap.append(float((top2[..., 0] - top2[..., 1]).min().detach()))
-                width = r.widths[s.argmax(-1)]  # [B, S]
-                mask = torch.zeros(*width.shape, r.groups, dtype=torch.bool)
-                for g_rank, g in enumerate(r.order.tolist()):
-                    mask[..., g] = g_rank < width
-                return (a[0] * mask.repeat_interleave(gs, -1).to(a[0].dtype),)
-            return pre
-
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(zero("attn", i, spec.head_dim)))
-        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(zero("ffn", i, routers.cfg.ffn_group_size)))
-    try:
-        return model(input_ids=ids).logits
-    finally:
-        for h in hooks:
-            h.remove()
+    return _run_by_hand(model, routers, ids, min_gap, prefix_of_order)
 
 
 def test_nested_attach_executes_prefixes_of_the_order_exactly():
