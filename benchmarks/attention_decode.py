@@ -41,19 +41,16 @@ def _time_graphs(fns: dict, inner: int, rounds: int, device) -> dict:
                 f()
                 out[n].append(float("nan"))
         return out
-    graphs = {}
-    for n, f in fns.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+    from e2e.timing import cuda_graph_step
+
+    def calls(f):
+        def run():
             for _ in range(inner):
                 f()
-        graphs[n] = g
+        return run
+
+    # one graph of `inner` calls per variant, captured after one warm-up round of those calls
+    graphs = {n: cuda_graph_step(calls(f), None, warm=1)[1] for n, f in fns.items()}
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()

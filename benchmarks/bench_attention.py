@@ -46,24 +46,6 @@ def _stats(times_ms: list) -> dict:
                 n=len(times_ms))
 
 
-def _graph(fn):
-    """A CUDA graph holding one call of fn (warmed up, compiled, on a side stream first)."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def time_interleaved(fns: dict, rounds: int, dry: bool) -> dict:
     """{name: fn} -> {name: _stats of ms per call}; the callables take turns, `rounds` times."""
     samples = {name: [] for name in fns}
@@ -76,7 +58,9 @@ def time_interleaved(fns: dict, rounds: int, dry: bool) -> dict:
         return {name: _stats(v) for name, v in samples.items()}
     from triton.testing import do_bench
 
-    graphs = {name: _graph(fn) for name, fn in fns.items()}
+    from benchmarks.e2e.timing import cuda_graph_step
+
+    graphs = {name: cuda_graph_step(fn, None)[1] for name, fn in fns.items()}  # one call each, warmed up first
     for _ in range(rounds):
         for name, g in graphs.items():
             samples[name] += list(do_bench(g.replay, warmup=25, rep=200, return_mode="all"))

@@ -173,18 +173,10 @@ def graph_time(fn, warm=3):
         fn()
         return (time.perf_counter() - t) * 1e3
     """median ms of one replay of a CUDA graph holding one call of fn (L2 cleared before each)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    ms = do_bench(g.replay, warmup=20, rep=80, return_mode="median")
+    from benchmarks.e2e.timing import cuda_graph_step
+
+    replay, g = cuda_graph_step(fn, None, warm)
+    ms = do_bench(replay, warmup=20, rep=80, return_mode="median")
     del g
     return ms
 
