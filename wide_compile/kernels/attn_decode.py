@@ -35,17 +35,19 @@ DEFAULT_CONFIG = {"block_n": 128, "programs_per_sm": 8, "num_warps": 4, "num_sta
 BLOCK_N = DEFAULT_CONFIG["block_n"]
 
 
-def check_groups(num_heads: int, num_kv_heads: int, group_size: int) -> int:
-    """n_rep = Hq // Hkv, after checking that no head group straddles two KV heads."""
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+def check_groups(num_heads: int, num_kv_heads: int, group_size: int, who: str = "") -> int:
+    """n_rep = Hq // Hkv, after checking that the query heads share the KV heads evenly and that no head group
+    straddles two KV heads (the rule of both attention kernels; `who` prefixes the error, e.g. "attn_prefill: ")."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{who}the query heads ({num_heads}) must be a multiple of the KV heads ({num_kv_heads})")
     n_rep = num_heads // num_kv_heads
-    if group_size <= 0 or num_heads % group_size:
-        raise ValueError(f"head group size {group_size} does not divide the {num_heads} query heads")
+    if group_size < 1 or num_heads % group_size:
+        raise ValueError(f"{who}head group size {group_size} does not divide the {num_heads} query heads")
     if group_size % n_rep and n_rep % group_size:
-        raise ValueError(f"head groups of {group_size} query heads straddle KV heads ({n_rep} query heads per KV "
-                         f"head): use a group size that divides {n_rep} or is a multiple of it "
-                         "(WideConfig(head_group_size='kv') aligns groups with KV heads)")
+        raise ValueError(f"{who}a head group of {group_size} query heads would span part of two KV heads ({n_rep} "
+                         f"query heads share one KV head); head groups must not straddle KV heads: use a group "
+                         f"size that divides {n_rep} or is a multiple of it (WideConfig(head_group_size='kv') "
+                         "aligns groups with KV heads)")
     return n_rep
 
 

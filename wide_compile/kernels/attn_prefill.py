@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attn_decode import check_groups
 from .reorder import _launcher
 from .tuning import interpreting
 
@@ -101,15 +102,7 @@ def check_inputs(q, k, v, mask, group_size: int, window: Optional[int]) -> tuple
         raise ValueError(f"attn_prefill: k and v must be [B, Hkv, T, d] = [{B}, Hkv, {T}, {d}] like q "
                          f"{tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}")
     Hkv = k.shape[1]
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"attn_prefill: the query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
-    if group_size < 1 or Hq % group_size:
-        raise ValueError(f"attn_prefill: group_size {group_size} must divide the query heads ({Hq})")
-    n_rep = Hq // Hkv
-    if n_rep % group_size and group_size % n_rep:
-        raise ValueError(f"attn_prefill: a head group of {group_size} query heads would span part of two KV heads "
-                         f"({n_rep} query heads share one KV head): use a group_size that divides {n_rep} or a "
-                         f"multiple of {n_rep}")
+    n_rep = check_groups(Hq, Hkv, group_size, "attn_prefill: ")
     G = Hq // group_size
     if tuple(mask.shape) != (B, T, G):
         raise ValueError(f"attn_prefill: mask must be [B, T, G] = [{B}, {T}, {G}] (G = Hq // group_size), "
