@@ -21,6 +21,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def kv_head_group_size(spec: "ModelSpec") -> int:
+    """head_group_size="kv" on `spec` (a ModelSpec or a model): the query heads that share one KV head."""
+    from .models.spec import model_spec
+
+    s = model_spec(spec)
+    if s.num_kv_heads < 1 or s.num_heads % s.num_kv_heads:
+        raise ValueError(f"head_group_size='kv' needs the query heads ({s.num_heads}) to split evenly into "
+                         f"KV groups ({s.num_kv_heads} KV heads)")
+    return s.num_heads // s.num_kv_heads
+
+
 @dataclass(frozen=True)
 class WideConfig:
     """Configuration of WIDE width routing.
@@ -115,13 +126,7 @@ class WideConfig:
         ModelSpec or a model); other configs unchanged."""
         if self.head_group_size != "kv":
             return self
-        from .models.spec import model_spec
-
-        s = model_spec(spec)
-        if s.num_kv_heads < 1 or s.num_heads % s.num_kv_heads:
-            raise ValueError(f"head_group_size='kv' needs the {s.num_heads} query heads to split evenly over the "
-                             f"{s.num_kv_heads} KV heads")
-        return dataclasses.replace(self, head_group_size=s.num_heads // s.num_kv_heads)
+        return dataclasses.replace(self, head_group_size=kv_head_group_size(spec))
 
     def geometry(self, spec: "ModelSpec") -> "GroupGeometry":
         """The group geometry of this config on `spec` (a ModelSpec or a model); ValueError when it does not fit."""

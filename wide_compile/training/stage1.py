@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import WideConfig
+from ..config import WideConfig, kv_head_group_size
 from ..models.spec import model_spec
 from ..routing import FlopCost, Routers, attach, detach, record_masks
 from ..routing.calibrate import calibrate_offset_, deterministic_capacity  # noqa: F401  (re-exported)
@@ -132,11 +132,7 @@ def resolve_head_group_size(value, model) -> int:
         return int(value)
     if value != "kv":
         raise ValueError(f"head_group_size must be a positive integer or 'kv', got {value!r}")
-    s = model_spec(model)
-    if s.num_kv_heads < 1 or s.num_heads % s.num_kv_heads:
-        raise ValueError(f"head_group_size='kv' needs the query heads ({s.num_heads}) to split evenly into "
-                         f"KV groups ({s.num_kv_heads} KV heads)")
-    return s.num_heads // s.num_kv_heads
+    return kv_head_group_size(model)
 
 
 def schedule(step: int, steps: int, cfg: Stage1Config) -> tuple[float, float, bool]:
