@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reorder import _as_uint8, _launcher
 from .tuning import interpreting
 
 MIN_BLOCK_H = 16        # a tl.dot needs at least 16 rows: the n_rep query heads of one KV head, padded
@@ -198,16 +199,15 @@ def attn_decode_triton(q, k, v, head_mask, group_size: int, key_mask: Optional[t
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("attn_decode needs K / V with a contiguous last (head_dim) dimension")
     q3 = q.reshape(B, Hq, D).contiguous()
-    hm = head_mask.to(torch.uint8).contiguous()                          # [B, G]
-    km = key_mask.to(torch.uint8).contiguous() if key_mask is not None else hm
+    hm = _as_uint8(head_mask)                                            # [B, G]
+    km = _as_uint8(key_mask) if key_mask is not None else hm
     S, split_len = num_splits(B, Hkv, L, q.device, cfg["block_n"], cfg["programs_per_sm"])
     po, plse = _partials(B, Hq, S, D, q.device)
     out = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = max(MIN_BLOCK_H, triton.next_power_of_2(n_rep))
-    launch = (lambda kern: torch.library.wrap_triton(kern)) if wrap else (lambda kern: kern)
-    launch(_decode_split_kernel)[(B * Hkv, S)](
+    _launcher(_decode_split_kernel, wrap)[(B * Hkv, S)](
         q3, k, v, hm, km, po, plse, L, split_len, scale * 1.4426950408889634,
         q3.stride(0), q3.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         hm.stride(0), km.stride(0),
@@ -216,7 +216,7 @@ def attn_decode_triton(q, k, v, head_mask, group_size: int, key_mask: Optional[t
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
         BLOCK_H=BLOCK_H, BLOCK_N=cfg["block_n"], BLOCK_D=BLOCK_D,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    launch(_decode_combine_kernel)[(B * Hq,)](
+    _launcher(_decode_combine_kernel, wrap)[(B * Hq,)](
         po, plse, hm, out, out.stride(0), out.stride(1), hm.stride(0),
         Hq=Hq, group_size=group_size, D=D, S=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=BLOCK_D,
         num_warps=4)
