@@ -45,8 +45,9 @@
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
-#   e2e_attention          end to end with attention over the active head groups (--sparse-attention), KV-aligned
-#                          groups, 8B shape at 8 layers: decode ctx 16384 x 8 / x 1, prefill 8192; Inductor
+#   e2e_attention          the attention ops under torch.compile (their tests), then end to end with attention over
+#                          the active head groups (--sparse-attention), KV-aligned groups, 8B shape at 8 layers:
+#                          decode ctx 4096 / 16384 x 8 / x 1, prefill 8192; Inductor
 #                          compiles in-process (TORCHINDUCTOR_COMPILE_THREADS=1) so a kernel compile error shows
 #                          its whole traceback in the log
 #   tokens                 the train-text token cache /root/wcache/tokens.npy: tokenized there from the raw
@@ -193,9 +194,11 @@ step() {
       tests/test_kernel_attn_decode.py 2>&1 | tail -4
     timeout 230 python3 benchmarks/bench_attention.py --what prefill --sweep --out "$OUT/attn-prefill.json" | tail -6
     timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
-  e2e_attention)
-    TORCHINDUCTOR_COMPILE_THREADS=1 e2e e2e-attn-kv4 "${E2E_TIMEOUT:-470}" --models llama-3.1-8b \
-      --phases decode prefill --capacities 0.5 --masks random --decode-ctx 16384 --decode-batch 8 1 \
+  e2e_attention)  # first the ops under torch.compile alone (a kernel that Inductor cannot compile fails here, fast)
+    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k torch_compile \
+      tests/test_kernel_attn_prefill.py tests/test_kernel_attn_decode.py 2>&1 | tail -4
+    TORCHINDUCTOR_COMPILE_THREADS=1 e2e e2e-attn-kv4 "${E2E_TIMEOUT:-440}" --models llama-3.1-8b \
+      --phases decode prefill --capacities 0.5 --masks random --decode-ctx 4096 16384 --decode-batch 8 1 \
       --prefill-tokens 8192 --prefill-batch 1 --layers 8 --head-group-size 4 --attention sdpa_unpadded \
       --sparse-attention --variants inductor static wide --rounds 3 --target-s 0.3 --no-budget-split --no-plot \
       --name e2e-attn-kv4 ;;

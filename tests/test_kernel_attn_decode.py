@@ -6,6 +6,8 @@ dots), bf16 <= 2e-2 (the probabilities are rounded to bf16 before the P @ V dot,
 An inactive group's rows must be exactly 0 even when its queries are NaN.
 """
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -157,3 +159,51 @@ def test_op_on_cpu_runs_the_reference_and_passes_opcheck():
     out = wide_attn_decode(q, k, v, hm, 4, km)
     assert torch.equal(out, AD.attn_decode_ref(q, k, v, hm, 4, km))
     torch.library.opcheck(torch.ops.wide.attn_decode.default, (q, k, v, hm, 4, km, None, ""))
+
+
+def check_sm90_compile(float_type: str) -> None:
+    """Compiles the split kernel for sm_90 (no GPU needed) with its float argument typed `float_type`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(getattr(AD._decode_split_kernel, "fn", AD._decode_split_kernel))
+    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", hm_ptr="*u8", km_ptr="*u8", po_ptr="*fp32",
+                plse_ptr="*fp32")
+    ints = ["L", "split_len", "qk_scale", "sq_b", "sq_h", "sk_b", "sk_h", "sk_l", "sv_b", "sv_h", "sv_l",
+            "shm_b", "skm_b"]
+    consts = dict(Hkv=8, n_rep=4, group_size=4, D=128, S=16, HAS_KEY_MASK=True, DOT_PRECISION="tf32",
+                  UPCAST=False, BLOCK_H=16, BLOCK_N=AD.DEFAULT_CONFIG["block_n"], BLOCK_D=128)
+    sig = ptrs | {n: (float_type if n == "qk_scale" else "i32") for n in ints} | {k: "constexpr" for k in consts}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": AD.DEFAULT_CONFIG["num_warps"], "num_stages": AD.DEFAULT_CONFIG["num_stages"]})
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the ahead-of-time compile runs on the CPU machine")
+@pytest.mark.parametrize("float_type", ["fp32", "fp64"])
+def test_split_kernel_compiles_with_inductors_float_signature(float_type):
+    """Inductor types a Python float argument of a user-defined kernel as fp64 (torch._inductor.config.
+    _use_fp64_for_unbacked_floats), Triton's own launcher as fp32: the kernel compiles for sm_90 under both."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import {__name__.rsplit('.', 1)[-1]} as t; t.check_sm90_compile({float_type!r})")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Inductor compiles the Triton kernels only on a CUDA GPU")
+def test_op_under_torch_compile_matches_reference():
+    """torch.compile (Inductor) compiles the op's Triton kernels itself (its own signature and launcher): the
+    compiled op equals the eager kernel and stays within the float64 reference's tolerance."""
+    from wide_compile.kernels import wide_attn_decode
+
+    q, k, v, gen = case(2, 32, 8, 1000, 128, torch.bfloat16, seed=12)
+    hm, km = head_mask(2, 8, 0.5, gen), torch.arange(1000)[None, :] < torch.tensor([[1000], [613]])
+    q, k, v, hm, km = (t.to(DEV) for t in (q, k, v, hm, km))
+    compiled = torch.compile(lambda *a: wide_attn_decode(*a, 4, km) * 1.0, fullgraph=True)
+    out = compiled(q, k, v, hm)
+    assert torch.equal(out, wide_attn_decode(q, k, v, hm, 4, km))
+    ref = AD.attn_decode_ref(q.double(), k.double(), v.double(), hm, 4, km)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]

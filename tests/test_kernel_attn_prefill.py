@@ -278,7 +278,7 @@ def test_cuda_configs_compile_for_sm90_without_spills():
     _run_compiled_mode("check_sm90_configs", TRITON_DEFAULT_FP_FUSION="1")
 
 
-def _compile_sm90(consts: dict, cfg: dict):
+def _compile_sm90(consts: dict, cfg: dict, float_type: str = "fp32"):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -288,7 +288,7 @@ def _compile_sm90(consts: dict, cfg: dict):
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "order_ptr": "*i32",
             "cnt_ptr": "*i32"}
     strides = [f"s{t}{a}" for t in "qkvo" for a in "bhtd"]
-    sig = dict(ptrs) | {s: "i32" for s in strides} | dict(T="i32", n_tiles="i32", qk_scale="fp32", window="i32")
+    sig = dict(ptrs) | {s: "i32" for s in strides} | dict(T="i32", n_tiles="i32", qk_scale=float_type, window="i32")
     unit = {s: 1 for s in strides if s.endswith("d")}  # head-dim strides are 1, as the launcher specialises them
     sig |= {k: "constexpr" for k in list(consts) + list(unit)}
     aligned = [i for i, name in enumerate(sig) if name in ptrs or (name in strides and name not in unit)]
@@ -315,3 +315,33 @@ def check_sm90_configs():
         if stack or shared > SM90_SHARED / 1.05:
             bad.append((d, gs, window, cfg, f"spilled {stack} B" if stack else f"shared {shared} B"))
     assert not bad, bad
+
+
+@pytest.mark.skipif(CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP), reason="this triton wheel has no cuobjdump")
+def test_compiles_with_inductors_fp64_float_arguments():
+    """Inductor types a Python float argument of a user-defined kernel as fp64 (torch._inductor.config.
+    _use_fp64_for_unbacked_floats); the kernel compiles under that signature as well as under Triton's fp32."""
+    _run_compiled_mode("check_fp64_scale", TRITON_DEFAULT_FP_FUSION="1")
+
+
+def check_fp64_scale():
+    cfg = AP.config_for(128)
+    for window in (None, 256):
+        _compile_sm90(AP.kernel_constants(32, 8, 128, 4, window, torch.bfloat16, cfg), cfg, float_type="fp64")
+
+
+@pytest.mark.skipif(INTERPRET, reason="Inductor compiles the Triton kernels only on a CUDA GPU")
+@pytest.mark.parametrize("window", [None, 100])
+def test_op_under_torch_compile_matches_reference(window):
+    """torch.compile (Inductor) compiles the op's Triton kernels itself (its own signature and launcher): the
+    compiled op equals the eager kernel and stays within the float64 reference's tolerance."""
+    from wide_compile.kernels.attn_ops import wide_attn_prefill
+
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (t.to(DEV) for t in make_qkv(2, 32, 8, 333, 128, torch.bfloat16, gen))
+    mask = make_mask(2, 333, 8, 0.5, gen).to(DEV)
+    compiled = torch.compile(lambda *a: wide_attn_prefill(*a, 4, window) * 1.0, fullgraph=True)
+    out = compiled(q, k, v, mask)
+    assert torch.equal(out, wide_attn_prefill(q, k, v, mask, 4, window))
+    ref = AP.attn_prefill_ref(q.double(), k.double(), v.double(), mask, 4, window)
+    assert rel(out, ref) <= TOL[torch.bfloat16]

@@ -83,6 +83,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, hm_ptr, km_ptr, po_ptr, plse_ptr,
     # (b, kv) varies fastest, so the programs that exit at once are spread evenly over the launch order
     bkv = tl.program_id(0)
     s_id = tl.program_id(1)
+    # Inductor types a Python float argument of a user kernel as fp64: the softmax state stays fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
     b = bkv // Hkv
     kv = bkv % Hkv
     rh = tl.arange(0, BLOCK_H)

@@ -259,6 +259,9 @@ def _attn_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, order_ptr, cnt_ptr,
     # program -> (batch, KV head, tile, unit of that KV head); units of one KV head adjacent, tiles reversed
     # (heaviest first)
     UNITS_PER_KV: tl.constexpr = N_REP // H_PACK
+    # Inductor types a Python float argument of a user kernel as fp64: fp32 keeps the softmax state (and the
+    # dot accumulator it scales) in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid = tl.program_id(0)
     sub = pid % UNITS_PER_KV
     rest = pid // UNITS_PER_KV
