@@ -45,6 +45,8 @@
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
+#   e2e_attention_gqa      the decode rows of e2e_attention with --attention gqa_decode: dense and static decode
+#                          through the same kernel with every head on (the strong dense baseline)
 #   e2e_attention          the attention ops under torch.compile (their tests), then end to end with attention over
 #                          the active head groups (--sparse-attention), KV-aligned groups, 8B shape at 8 layers:
 #                          decode ctx 4096 / 16384 x 8 / x 1, prefill 8192; Inductor
@@ -202,6 +204,11 @@ step() {
       --prefill-tokens 8192 --prefill-batch 1 --layers 8 --head-group-size 4 --attention sdpa_unpadded \
       --sparse-attention --variants inductor static wide --rounds 3 --target-s 0.3 --no-budget-split --no-plot \
       --name e2e-attn-kv4 ;;
+  e2e_attention_gqa)  # the same decode rows with every variant's decode attention on wide.attn_decode's kernel
+    e2e e2e-attn-kv4-gqa "${E2E_TIMEOUT:-330}" --models llama-3.1-8b --phases decode --capacities 0.5 --masks random \
+      --decode-ctx 4096 16384 --decode-batch 8 1 --layers 8 --head-group-size 4 --attention gqa_decode \
+      --sparse-attention --variants inductor static wide --rounds 3 --target-s 0.3 --no-budget-split --no-plot \
+      --name e2e-attn-kv4-gqa ;;
   kernel_tests)
     TRITON_INTERPRET=0 timeout "${KT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;

@@ -462,3 +462,30 @@ def test_gpu_calls_use_existing_options():
                 known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', path.read_text()))
                 assert flags <= known, (st.split(")")[0], name, flags - known)
     assert seen_e2e >= 8
+
+
+def test_gqa_decode_attention_matches_sdpa_in_decode():
+    """e2e/attention.py's gqa_decode: transformers' SDPA logits in prefill and in decode steps against a
+    static cache (the unwritten tail masked), where it runs wide.attn_decode with every head on; the WIDE
+    model of a gqa_decode run keeps sdpa_unpadded, in a config of its own (the dense model's is unchanged)."""
+    import torch
+    from e2e import models as MD
+    from e2e.attention import use, wide_attention
+    from transformers import StaticCache
+    from wide_compile.models import tiny_model
+
+    base, fd = tiny_model("llama", seed=5), tiny_model("llama", seed=5)
+    fd.config._attn_implementation = use("gqa_decode")
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        logits = []
+        for m in (base, fd):
+            cache = StaticCache(config=m.config, max_cache_len=32)
+            steps = [m(input_ids=ids, past_key_values=cache, use_cache=True).logits]
+            for t in range(3):  # decode steps: 9, 10, 11 cached positions of 32
+                steps.append(m(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                               cache_position=torch.tensor([9 + t])).logits)
+            logits.append(torch.cat(steps, 1))
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    clone = MD.shared_clone(fd, wide_attention("gqa_decode"))
+    assert clone.config._attn_implementation == "sdpa_unpadded" and fd.config._attn_implementation == "gqa_decode"

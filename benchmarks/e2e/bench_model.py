@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import models as MD
+from .attention import wide_attention
 from .router_sets import RouterSets
 from .run_state import log
 from .text import text_ids
@@ -34,7 +35,7 @@ class BenchModel:
         self.layers = self.config.num_hidden_layers
         self.vocab = self.config.vocab_size
         self.dense_bytes = MD.param_bytes(self.dense)
-        self.wide_model = MD.shared_clone(self.dense)
+        self.wide_model = MD.shared_clone(self.dense, wide_attention(self.dense.config._attn_implementation))
         self.calib_ids = self.ids(o.calib_tokens, 1, torch.Generator().manual_seed(o.seed + 7))  # [1, calib]
         self.routers = RouterSets(self)
         c = self.config

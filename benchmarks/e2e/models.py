@@ -104,11 +104,15 @@ def build_model(config, device, dtype, seed: int = 0) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def shared_clone(model: nn.Module) -> nn.Module:
+def shared_clone(model: nn.Module, attn_implementation: str | None = None) -> nn.Module:
     """A second module tree that shares every parameter/buffer tensor with `model` (no weight memory).
-    Used so WIDE hooks / compiled graphs live on their own instance and never touch the dense one."""
+    Used so WIDE hooks / compiled graphs live on their own instance and never touch the dense one. The clone
+    has its own copy of the config, so its attention implementation can differ (`attn_implementation`)."""
+    import copy
+
+    config = copy.deepcopy(model.config)
     with torch.device("meta"):
-        clone = type(model)(model.config)
+        clone = type(model)(config)
     src, dst = dict(model.named_modules()), dict(clone.named_modules())
     if src.keys() != dst.keys():
         raise RuntimeError("shared_clone: module trees differ")
@@ -121,7 +125,7 @@ def shared_clone(model: nn.Module) -> nn.Module:
         for k, v in vars(m1).items():
             if isinstance(v, torch.Tensor) and k not in m1._parameters and k not in m1._buffers:
                 setattr(m2, k, v)
-    clone.config._attn_implementation = model.config._attn_implementation
+    clone.config._attn_implementation = attn_implementation or model.config._attn_implementation
     return clone.eval().requires_grad_(False)
 
 

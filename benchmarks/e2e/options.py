@@ -263,7 +263,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                    help="attention of every variant: transformers' SDPA path (default; compiled models get an "
                         "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "
-                        "queries and keys have the same length (unpadded prefill; e2e/attention.py)")
+                        "queries and keys have the same length (unpadded prefill), or gqa_decode: sdpa_unpadded "
+                        "with decode through wide.attn_decode's kernel, every head on (e2e/attention.py)")
     p.add_argument("--sparse-attention", action="store_true",
                    help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
