@@ -1,0 +1,359 @@
+"""Bucketed (codebook / nested) MLP: tokens sorted by prototype, each bucket's work tile-shaped.
+
+Semantics: exactly ``wide.mlp`` (reference.mlp_ref) with the per-token mask ``protos[bucket]``:
+
+    x [T, D], w_gate / w_up [F, D], w_down [D, F] (down_proj.weight as is), bucket [T] integer (prototype id
+    per token), protos [P, G] bool (G = F // group_size) -> out [T, D]
+    out[t] = down(act(x[t] Wg^T) * (x[t] Wu^T) on the groups of protos[bucket[t]], 0 elsewhere)
+
+A bucket id outside [0, P) gives a NaN output row (here and in the reference alike): checking the ids on
+the host would cost a device sync, and NaN cannot pass for a result. The router's argmax never produces one.
+
+Three launches, no host sync, every buffer a static function of (T, P, F) and the block size BM:
+
+1. ``_bucket_lists_kernel`` (one program per bucket, plus one for out-of-range ids): a counting sort of the
+   tokens by bucket (moe_align-style): each bucket's token list, in token order, padded to a multiple of BM
+   with the sentinel T; the bucket of every block of BM entries (-1 past the end); per prototype its active
+   group ids ascending (then the inactive ones) and their count. At most n_blocks(T, P, BM) blocks are used.
+2. ``_bucket_gate_up_kernel``: program (block, column tile of the bucket's compact width) gathers the
+   block's x rows by token id and the gate/up weight rows of the prototype's groups, accumulates in fp32 and
+   writes h = act(g) * u, rounded to x's dtype once, into the bucket-compact buffer H [n_blocks * BM, F]
+   (column block j of a row = the j-th active group of its prototype). Programs past the width exit.
+3. ``_bucket_down_kernel``: program (block, tile of D) loops K over the prototype's active groups only
+   (H's compact columns, W_down's matching columns), fp32 accumulation, and stores each token's output row
+   at its original position. Every token is in exactly one bucket, so every output element is written
+   exactly once: no atomics, no zero fill; an all-off prototype writes exact zeros.
+
+Decode (T <= DECODE_T) runs the same kernels with a 16-token block.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as _ref
+from .compact_mlp import ACT_IDS, fit_shared_memory, shared_memory_bytes
+from .reorder import _as_uint8, _launcher, alloc
+from .tuning import DECODE_T, interpreting
+
+# Tile configs per device class and phase (decode: T <= DECODE_T). block_m is the token block both GEMMs
+# and the token lists share; up_* tile the gate/up kernel (N over the compact width, K over D), dn_* the
+# down kernel (N over D, K over the active groups). The interpreter's tiles are small so the tests' tiny
+# shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP.
+CONFIGS = {
+    "cuda": {
+        "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
+                       dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1),
+        "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
+                        dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8),
+    },
+    "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
+                        dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2),
+}
+CONFIG_KEYS = tuple(CONFIGS["interpreter"])
+SWEEP = (
+    dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4),
+    dict(block_m=128, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=3),
+    dict(block_m=64, up_bn=128, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=4, dn_stages=4),
+    dict(block_m=64, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=64, dn_bk=64, dn_warps=4, dn_stages=4),
+    dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=4, dn_bn=256, dn_bk=64, dn_warps=8, dn_stages=3),
+)
+
+
+def config_for(T: int, dtype: torch.dtype, device=None, overrides: Optional[dict] = None) -> dict:
+    """The tile config for T tokens (the interpreter's under TRITON_INTERPRET=1), fitted to the device's shared
+    memory for this dtype, then `overrides` (sweeps, tests) unchanged."""
+    if interpreting():
+        cfg = dict(CONFIGS["interpreter"])
+    else:
+        cfg = dict(CONFIGS["cuda"]["decode" if T <= DECODE_T else "prefill"])
+        view = dict(cfg, up_bm=cfg["block_m"], dn_bm=cfg["block_m"])
+        fitted = fit_shared_memory(view, torch.empty((), dtype=dtype).element_size(), shared_memory_bytes(device))
+        cfg.update({k: fitted[k] for k in cfg})
+    if overrides:
+        bad = [k for k in overrides if k not in CONFIG_KEYS]
+        if bad:
+            raise ValueError(f"mlp_bucket config: unknown keys {bad}; the keys are {CONFIG_KEYS}")
+        cfg.update(overrides)
+    for k in ("block_m", "up_bn", "up_bk", "dn_bn", "dn_bk"):
+        if cfg[k] < 16 or cfg[k] & (cfg[k] - 1):
+            raise ValueError(f"mlp_bucket config: {k} must be a power of two >= 16 (tl.dot), got {cfg[k]}")
+    return cfg
+
+
+def n_blocks(T: int, P: int, block_m: int) -> int:
+    """Worst-case number of token blocks: k non-empty buckets (out-of-range ids counted as one more) hold T
+    tokens in at most cdiv(T, BM) + k - 1 blocks, and k <= min(P + 1, T)."""
+    return triton.cdiv(T, block_m) + max(0, min(P, T - 1))
+
+
+# ----------------------------------------------------------------------------- validation + references
+
+def check_inputs(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act: str) -> tuple:
+    """Shapes, dtypes and devices of one wide.mlp_bucket call; returns (T, D, F, G, P)."""
+    if act not in ACT_IDS:
+        raise ValueError(f"mlp_bucket: unknown activation {act!r}; choose one of {tuple(ACT_IDS)}")
+    if x.dim() != 2 or w_gate.dim() != 2 or w_down.dim() != 2:
+        raise ValueError(f"mlp_bucket: x must be [T, D], w_gate / w_up [F, D], w_down [D, F]; got x "
+                         f"{tuple(x.shape)}, w_gate {tuple(w_gate.shape)}, w_down {tuple(w_down.shape)}")
+    T, D = x.shape
+    F = w_gate.shape[0]
+    if group_size < 1 or F % group_size:
+        raise ValueError(f"mlp_bucket: group_size {group_size} must divide the intermediate size F = {F}")
+    G = F // group_size
+    if tuple(w_gate.shape) != (F, D) or tuple(w_up.shape) != (F, D) or tuple(w_down.shape) != (D, F):
+        raise ValueError(f"mlp_bucket: with x [T, {D}] the weights must be w_gate / w_up [{F}, {D}] and w_down "
+                         f"[{D}, {F}] (down_proj.weight), got {tuple(w_gate.shape)}, {tuple(w_up.shape)}, "
+                         f"{tuple(w_down.shape)}")
+    if protos.dim() != 2 or protos.shape[1] != G or protos.shape[0] < 1 or protos.dtype != torch.bool:
+        raise ValueError(f"mlp_bucket: protos must be bool [P, G] with P >= 1 and G = F // group_size = {G}, got "
+                         f"{protos.dtype} {tuple(protos.shape)}")
+    if tuple(bucket.shape) != (T,) or bucket.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mlp_bucket: bucket must be int32 or int64 [T] = [{T}] (one prototype id per token), got "
+                         f"{bucket.dtype} {tuple(bucket.shape)}")
+    if len({x.device, w_gate.device, w_up.device, w_down.device, bucket.device, protos.device}) > 1:
+        raise ValueError("mlp_bucket: x, the weights, bucket and protos must be on one device")
+    if len({x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}) > 1:
+        raise ValueError(f"mlp_bucket: x and the weights must share one dtype, got {x.dtype}, {w_gate.dtype}, "
+                         f"{w_up.dtype}, {w_down.dtype}")
+    return T, D, F, G, protos.shape[0]
+
+
+def mlp_bucket_ref(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act: str = "silu") -> torch.Tensor:
+    """Plain PyTorch reference: reference.mlp_ref (fp32 accumulation, float64 for float64 inputs, h rounded to
+    x's dtype) with mask = protos[bucket]; a token whose bucket id is outside [0, P) gets a NaN row."""
+    T, D, F, G, P = check_inputs(x, w_gate, w_up, w_down, bucket, protos, group_size, act)
+    valid = (bucket >= 0) & (bucket < P)                                  # [T]
+    mask = protos[torch.where(valid, bucket, 0).long()] & valid[:, None]  # [T, G]
+    out = _ref.mlp_ref(x, w_gate, w_up, w_down.t(), mask, group_size, act)
+    return torch.where(valid[:, None], out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
+
+
+def bucket_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int) -> tuple:
+    """Reference for _bucket_lists_kernel: (sorted_ids [NB * BM], block_bucket [NB], proto_groups [P + 1, G],
+    proto_counts [P + 1]), int32, NB = n_blocks(T, P, BM). Bucket P holds the out-of-range ids and has no
+    groups; row p of proto_groups is p's active groups ascending, then its inactive ones ascending."""
+    T = bucket.shape[0]
+    P, G = protos.shape
+    dev = bucket.device
+    nb = n_blocks(T, P, block_m)
+    b = torch.where((bucket >= 0) & (bucket < P), bucket, P).long()      # [T], P = out of range
+    counts = torch.bincount(b, minlength=P + 1)                          # [P + 1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    offs = torch.cumsum(padded, 0) - padded
+    order = torch.sort(b, stable=True).indices                           # tokens by bucket, in token order
+    rank = torch.arange(T, device=dev) - (torch.cumsum(counts, 0) - counts)[b[order]]
+    sorted_ids = torch.full((nb * block_m,), T, dtype=torch.int32, device=dev)
+    sorted_ids[offs[b[order]] + rank] = order.to(torch.int32)
+    starts = torch.arange(nb, device=dev) * block_m
+    owner = torch.searchsorted(torch.cumsum(padded, 0), starts, right=True)
+    block_bucket = torch.where(starts < padded.sum(), owner, -1).to(torch.int32)
+    on = torch.cat([protos, protos.new_zeros(1, G)]).to(torch.int64)     # [P + 1, G]
+    key = (1 - on) * G + torch.arange(G, device=dev)
+    return sorted_ids, block_bucket, torch.argsort(key, dim=1).to(torch.int32), on.sum(1).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit(do_not_specialize=["T", "P", "NB"])
+def _bucket_lists_kernel(bucket_ptr, protos_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr, T, P, NB,
+                         G: tl.constexpr, GP2: tl.constexpr, PP2: tl.constexpr, BM: tl.constexpr,
+                         BT: tl.constexpr):
+    # program p: bucket p's token list, blocks and group list; program P: the out-of-range ids (no groups)
+    p = tl.program_id(0)
+    bins = tl.arange(0, PP2)
+    counts = tl.zeros([PP2], dtype=tl.int32)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        b = tl.load(bucket_ptr + t, mask=t < T, other=0)
+        b = tl.where((b >= 0) & (b < P), b, P).to(tl.int32)
+        hit = (b[:, None] == bins[None, :]) & (t < T)[:, None]          # [BT, PP2]
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    total = tl.sum(padded, axis=0)
+    off = tl.sum(tl.where(bins < p, padded, 0), axis=0)
+    my_c = tl.sum(tl.where(bins == p, counts, 0), axis=0)
+    my_p = tl.sum(tl.where(bins == p, padded, 0), axis=0)
+    base = off
+    for t0 in range(0, T, BT):  # this bucket's tokens, in token order
+        t = t0 + tl.arange(0, BT)
+        b = tl.load(bucket_ptr + t, mask=t < T, other=0)
+        b = tl.where((b >= 0) & (b < P), b, P)
+        a = ((b == p) & (t < T)).to(tl.int32)
+        r = tl.cumsum(a, axis=0) - a
+        tl.store(sorted_ptr + base + r, t.to(tl.int32), mask=a > 0)
+        base += tl.sum(a, axis=0)
+    for q0 in range(off + my_c, off + my_p, BT):  # sentinel padding of the list
+        q = q0 + tl.arange(0, BT)
+        tl.store(sorted_ptr + q, tl.zeros([BT], dtype=tl.int32) + T, mask=q < off + my_p)
+    for k0 in range(off // BM, (off + my_p) // BM, BT):  # block -> bucket
+        k = k0 + tl.arange(0, BT)
+        tl.store(bblock_ptr + k, tl.zeros([BT], dtype=tl.int32) + p, mask=k < (off + my_p) // BM)
+    for k0 in range(total // BM + p * BT, NB, (P + 1) * BT):  # unused blocks, shared round-robin
+        k = k0 + tl.arange(0, BT)
+        tl.store(bblock_ptr + k, tl.zeros([BT], dtype=tl.int32) - 1, mask=k < NB)
+    for q0 in range(total + p * BT, NB * BM, (P + 1) * BT):
+        q = q0 + tl.arange(0, BT)
+        tl.store(sorted_ptr + q, tl.zeros([BT], dtype=tl.int32) + T, mask=q < NB * BM)
+    # the prototype's groups: active ones ascending, then the inactive ones
+    gs = tl.arange(0, GP2)
+    gvalid = gs < G
+    n_read = tl.where(p < P, G, 0)  # bucket P has no prototype row
+    on = tl.load(protos_ptr + p * G + gs, mask=gs < n_read, other=0).to(tl.int32)
+    on = tl.where(gvalid & (on != 0), 1, 0)
+    excl = tl.cumsum(on, axis=0) - on
+    cnt = tl.sum(on, axis=0)
+    tl.store(pgroups_ptr + p * G + tl.where(on > 0, excl, cnt + gs - excl), gs.to(tl.int32), mask=gvalid)
+    tl.store(pcount_ptr + p, cnt.to(tl.int32))
+
+
+@triton.jit
+def _block_and_tile(NB, num_n, GROUP_M: tl.constexpr):
+    # program -> (block m, tile n): GROUP_M blocks sweep the n tiles together (shared weight tiles in L2)
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsz = tl.minimum(NB - first_m, GROUP_M)
+    m = first_m + (pid % per_group) % gsz
+    n = (pid % per_group) // gsz
+    return m, n
+
+
+@triton.jit(do_not_specialize=["T", "NB"])
+def _bucket_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
+                           T, D, NB, stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
+                           stride_hm, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+                           UPCAST: tl.constexpr):
+    m, n = _block_and_tile(NB, tl.cdiv(G * GS, BN), GROUP_M)
+    p = tl.load(bblock_ptr + m)
+    if p < 0:  # past the used blocks
+        return
+    width = tl.load(pcount_ptr + p) * GS
+    if n * BN >= width:  # past the bucket's compact width
+        return
+    slots = m * BM + tl.arange(0, BM)
+    tok = tl.load(sorted_ptr + slots)                                   # [BM], sentinel T = padding
+    tvalid = tok < T
+    tok64 = tok.to(tl.int64)
+    c = n * BN + tl.arange(0, BN)                                       # compact columns
+    cvalid = c < width
+    grp = tl.load(pgroups_ptr + p * G + c // GS, mask=cvalid, other=0)
+    wrow = (grp * GS + c % GS).to(tl.int64)                             # [BN] weight rows of those columns
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        kv = k < D
+        a = tl.load(x_ptr + tok64[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=tvalid[:, None] & kv[None, :], other=0.0)     # [BM, BK]
+        wg = tl.load(wg_ptr + wrow[:, None] * stride_wgn + k[None, :] * stride_wgk,
+                     mask=cvalid[:, None] & kv[None, :], other=0.0)    # [BN, BK]
+        wu = tl.load(wu_ptr + wrow[:, None] * stride_wun + k[None, :] * stride_wuk,
+                     mask=cvalid[:, None] & kv[None, :], other=0.0)
+        if UPCAST:  # the Triton CPU interpreter mis-computes half-precision dots: exact upcast to fp32
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
+    if ACT == 0:  # silu
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    elif ACT == 1:  # gelu: x * Phi(x)
+        h = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
+    else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
+        z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+        h = acc_g * tl.sigmoid(2.0 * z) * acc_u
+    # padding rows hold act(0) * 0 = 0: the down kernel reads whole blocks without a row mask
+    tl.store(h_ptr + slots.to(tl.int64)[:, None] * stride_hm + c[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=cvalid[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "P", "NB"])
+def _bucket_down_kernel(h_ptr, wd_ptr, out_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
+                        T, D, P, NB, stride_hm, stride_wdn, stride_wdk, stride_om,
+                        G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    m, n = _block_and_tile(NB, tl.cdiv(D, BN), GROUP_M)
+    p = tl.load(bblock_ptr + m)
+    if p < 0:
+        return
+    n_groups = tl.load(pcount_ptr + p)
+    slots = m * BM + tl.arange(0, BM)
+    tok = tl.load(sorted_ptr + slots)
+    h_rows = h_ptr + slots.to(tl.int64)[:, None] * stride_hm
+    cols = n * BN + tl.arange(0, BN)
+    cvalid = cols < D
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in range(0, n_groups):  # K = the prototype's active groups only
+        g = tl.load(pgroups_ptr + p * G + j)
+        for kk in tl.static_range(0, GS, BK):
+            kin = kk + tl.arange(0, BK)
+            kv = kin < GS
+            a = tl.load(h_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)          # [BM, BK]
+            w = tl.load(wd_ptr + cols[None, :].to(tl.int64) * stride_wdn + (g * GS + kin)[:, None] * stride_wdk,
+                        mask=kv[:, None] & cvalid[None, :], other=0.0)                           # [BK, BN]
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PREC)
+    acc = tl.where(p == P, float("nan"), acc)  # bucket P: ids outside [0, P)
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(tok < T)[:, None] & cvalid[None, :])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def bucket_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int, wrap: bool = False) -> tuple:
+    """The device-side lists of bucket_lists_ref (same outputs), one launch of P + 1 programs."""
+    T = bucket.shape[0]
+    P, G = protos.shape
+    nb = n_blocks(T, P, block_m)
+    dev = bucket.device
+    sorted_ids = alloc((nb * block_m,), torch.int32, dev)
+    block_bucket = alloc((nb,), torch.int32, dev)
+    proto_groups = alloc((P + 1, G), torch.int32, dev)
+    proto_counts = alloc((P + 1,), torch.int32, dev)
+    pp2 = triton.next_power_of_2(P + 1)
+    bt = min(1024, max(16, triton.next_power_of_2(T)), max(16, 16384 // pp2))  # [BT, PP2] histogram tile
+    _launcher(_bucket_lists_kernel, wrap)[(P + 1,)](
+        bucket.contiguous(), _as_uint8(protos), sorted_ids, block_bucket, proto_groups, proto_counts, T, P, nb,
+        G=G, GP2=triton.next_power_of_2(G), PP2=pp2, BM=block_m, BT=bt)
+    return sorted_ids, block_bucket, proto_groups, proto_counts
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if (dtype == torch.float32 or interpreting()) else "tf32"
+
+
+def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act: str = "silu", *,
+                      config: Optional[dict] = None, wrap: bool = False) -> torch.Tensor:
+    """x [T, D], w_gate / w_up [F, D], w_down [D, F], bucket [T] int, protos [P, G] bool -> [T, D] (module
+    docstring). Any strides. config: tile overrides (CONFIG_KEYS)."""
+    T, D, F, G, P = check_inputs(x, w_gate, w_up, w_down, bucket, protos, group_size, act)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"mlp_bucket_triton: x must be float16, bfloat16 or float32, got {x.dtype} "
+                         "(mlp_bucket_ref computes any dtype)")
+    cfg = config_for(T, x.dtype, x.device, config)
+    bm = cfg["block_m"]
+    out = alloc((T, D), x.dtype, x.device)
+    if T == 0:
+        return out
+    sorted_ids, block_bucket, proto_groups, proto_counts = bucket_lists_triton(bucket, protos, bm, wrap)
+    nb = block_bucket.shape[0]
+    h = alloc((nb * bm, F), x.dtype, x.device)                          # bucket-compact h
+    prec, upcast = _prec(x.dtype), interpreting() and x.dtype != torch.float32
+    _launcher(_bucket_gate_up_kernel, wrap)[(nb * triton.cdiv(F, cfg["up_bn"]),)](
+        x, w_gate, w_up, h, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, nb,
+        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), h.stride(0),
+        G=G, GS=group_size, BM=bm, BN=cfg["up_bn"], BK=cfg["up_bk"], GROUP_M=cfg["group_m"], ACT=ACT_IDS[act],
+        PREC=prec, UPCAST=upcast, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+    _launcher(_bucket_down_kernel, wrap)[(nb * triton.cdiv(D, cfg["dn_bn"]),)](
+        h, w_down, out, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, P, nb,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        G=G, GS=group_size, BM=bm, BN=cfg["dn_bn"], BK=cfg["dn_bk"], GROUP_M=cfg["group_m"], PREC=prec,
+        UPCAST=upcast, num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+    return out
