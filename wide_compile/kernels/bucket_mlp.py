@@ -329,6 +329,43 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if (dtype == torch.float32 or interpreting()) else "tf32"
 
 
+def gate_up_triton(x, w_gate, w_up, lists: tuple, group_size: int, act: str, cfg: dict, wrap: bool = False):
+    """The bucket-compact h [NB * BM, F] of the gate/up kernel: row r = the r-th entry of the sorted token list,
+    column block j = the j-th active group of the row's prototype (columns past its width are not written)."""
+    sorted_ids, block_bucket, proto_groups, proto_counts = lists
+    T, D = x.shape
+    F = w_gate.shape[0]
+    nb, bm = block_bucket.shape[0], cfg["block_m"]
+    h = alloc((nb * bm, F), x.dtype, x.device)
+    _launcher(_bucket_gate_up_kernel, wrap)[(nb * triton.cdiv(F, cfg["up_bn"]),)](
+        x, w_gate, w_up, h, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, nb,
+        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), h.stride(0),
+        G=F // group_size, GS=group_size, BM=bm, BN=cfg["up_bn"], BK=cfg["up_bk"], GROUP_M=cfg["group_m"],
+        ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype), num_warps=cfg["up_warps"],
+        num_stages=cfg["up_stages"])
+    return h
+
+
+def down_triton(h, w_down, lists: tuple, T: int, group_size: int, cfg: dict, wrap: bool = False):
+    """out [T, D]: each token's row of h @ W_down^T over its prototype's groups, stored at its position."""
+    sorted_ids, block_bucket, proto_groups, proto_counts = lists
+    D, F = w_down.shape
+    P = proto_counts.shape[0] - 1
+    nb = block_bucket.shape[0]
+    out = alloc((T, D), h.dtype, h.device)
+    _launcher(_bucket_down_kernel, wrap)[(nb * triton.cdiv(D, cfg["dn_bn"]),)](
+        h, w_down, out, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, P, nb,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["dn_bn"], BK=cfg["dn_bk"],
+        GROUP_M=cfg["group_m"], PREC=_prec(h.dtype), UPCAST=_upcast(h.dtype), num_warps=cfg["dn_warps"],
+        num_stages=cfg["dn_stages"])
+    return out
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return interpreting() and dtype != torch.float32  # the interpreter's half-precision dots are inexact
+
+
 def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act: str = "silu", *,
                       config: Optional[dict] = None, wrap: bool = False) -> torch.Tensor:
     """x [T, D], w_gate / w_up [F, D], w_down [D, F], bucket [T] int, protos [P, G] bool -> [T, D] (module
@@ -338,22 +375,8 @@ def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, 
         raise ValueError(f"mlp_bucket_triton: x must be float16, bfloat16 or float32, got {x.dtype} "
                          "(mlp_bucket_ref computes any dtype)")
     cfg = config_for(T, x.dtype, x.device, config)
-    bm = cfg["block_m"]
-    out = alloc((T, D), x.dtype, x.device)
     if T == 0:
-        return out
-    sorted_ids, block_bucket, proto_groups, proto_counts = bucket_lists_triton(bucket, protos, bm, wrap)
-    nb = block_bucket.shape[0]
-    h = alloc((nb * bm, F), x.dtype, x.device)                          # bucket-compact h
-    prec, upcast = _prec(x.dtype), interpreting() and x.dtype != torch.float32
-    _launcher(_bucket_gate_up_kernel, wrap)[(nb * triton.cdiv(F, cfg["up_bn"]),)](
-        x, w_gate, w_up, h, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, nb,
-        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), h.stride(0),
-        G=G, GS=group_size, BM=bm, BN=cfg["up_bn"], BK=cfg["up_bk"], GROUP_M=cfg["group_m"], ACT=ACT_IDS[act],
-        PREC=prec, UPCAST=upcast, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
-    _launcher(_bucket_down_kernel, wrap)[(nb * triton.cdiv(D, cfg["dn_bn"]),)](
-        h, w_down, out, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, P, nb,
-        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        G=G, GS=group_size, BM=bm, BN=cfg["dn_bn"], BK=cfg["dn_bk"], GROUP_M=cfg["group_m"], PREC=prec,
-        UPCAST=upcast, num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
-    return out
+        return alloc((T, D), x.dtype, x.device)
+    lists = bucket_lists_triton(bucket, protos, cfg["block_m"], wrap)
+    h = gate_up_triton(x, w_gate, w_up, lists, group_size, act, cfg, wrap)
+    return down_triton(h, w_down, lists, T, group_size, cfg, wrap)
