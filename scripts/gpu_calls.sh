@@ -45,6 +45,9 @@
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
+#   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
+#                          the MLP-block table against dense / static / free masks with its tile sweep into
+#                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
 #   e2e_attention          end to end with attention over the active head groups (--sparse-attention), KV-aligned
 #                          groups, 8B shape at 8 layers: decode ctx 16384 x 8 / x 1, prefill 8192; Inductor
 #                          compiles in-process (TORCHINDUCTOR_COMPILE_THREADS=1) so a kernel compile error shows
@@ -193,6 +196,13 @@ step() {
       tests/test_kernel_attn_decode.py 2>&1 | tail -4
     timeout 230 python3 benchmarks/bench_attention.py --what prefill --sweep --out "$OUT/attn-prefill.json" | tail -6
     timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
+  bucket)
+    mkdir -p "$OUT/bucket"
+    TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py 2>&1 \
+      | tee "$OUT/bucket/kernel-tests-cuda.log" | tail -4
+    timeout 330 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
+      > "$OUT/bucket/bench.log" 2>&1
+    tail -40 "$OUT/bucket/bench.log" ;;
   e2e_attention)
     TORCHINDUCTOR_COMPILE_THREADS=1 e2e e2e-attn-kv4 "${E2E_TIMEOUT:-470}" --models llama-3.1-8b \
       --phases decode prefill --capacities 0.5 --masks random --decode-ctx 16384 --decode-batch 8 1 \

@@ -297,9 +297,9 @@ def test_mlp_bucket_large(T, protos_kind, dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("config", BK.SWEEP, ids=[str(i) for i in range(len(BK.SWEEP))])
-def test_mlp_bucket_sweep_configs_large(config):
-    run_case(1000, D=1024, G=16, gs=64, P=8, dtype=torch.bfloat16, config=config, seed=7)
+@pytest.mark.parametrize("T,config", [(T, c) for T, ph in ((5, "decode"), (1000, "prefill")) for c in BK.SWEEP[ph]])
+def test_mlp_bucket_sweep_configs_large(T, config):
+    run_case(T, D=1024, G=16, gs=64, P=8, dtype=torch.bfloat16, config=config, seed=7)
 
 
 @gpu_only

@@ -42,7 +42,7 @@ from .tuning import DECODE_T, interpreting
 # Tile configs per device class and phase (decode: T <= DECODE_T). block_m is the token block both GEMMs
 # and the token lists share; up_* tile the gate/up kernel (N over the compact width, K over D), dn_* the
 # down kernel (N over D, K over the active groups). The interpreter's tiles are small so the tests' tiny
-# shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP.
+# shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
@@ -54,13 +54,25 @@ CONFIGS = {
                         dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
-SWEEP = (
-    dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4),
-    dict(block_m=128, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=3),
-    dict(block_m=64, up_bn=128, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=4, dn_stages=4),
-    dict(block_m=64, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=64, dn_bk=64, dn_warps=4, dn_stages=4),
-    dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=4, dn_bn=256, dn_bk=64, dn_warps=8, dn_stages=3),
-)
+SWEEP = {
+    "decode": (
+        dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4, dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4),
+        dict(block_m=16, up_bn=64, up_bk=128, up_warps=4, up_stages=3, dn_bn=64, dn_bk=64, dn_warps=4, dn_stages=4),
+        dict(block_m=16, up_bn=16, up_bk=256, up_warps=4, up_stages=3, dn_bn=16, dn_bk=64, dn_warps=2, dn_stages=6),
+        dict(block_m=16, up_bn=32, up_bk=64, up_warps=2, up_stages=6, dn_bn=32, dn_bk=64, dn_warps=2, dn_stages=6),
+    ),
+    "prefill": (
+        dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4),
+        dict(block_m=128, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=3),
+        dict(block_m=64, up_bn=128, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=4, dn_stages=4),
+        dict(block_m=64, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=64, dn_bk=64, dn_warps=4, dn_stages=4),
+        dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=4, dn_bn=256, dn_bk=64, dn_warps=8, dn_stages=3),
+    ),
+}
+
+
+def phase(T: int) -> str:
+    return "decode" if T <= DECODE_T else "prefill"
 
 
 def config_for(T: int, dtype: torch.dtype, device=None, overrides: Optional[dict] = None) -> dict:
@@ -69,7 +81,7 @@ def config_for(T: int, dtype: torch.dtype, device=None, overrides: Optional[dict
     if interpreting():
         cfg = dict(CONFIGS["interpreter"])
     else:
-        cfg = dict(CONFIGS["cuda"]["decode" if T <= DECODE_T else "prefill"])
+        cfg = dict(CONFIGS["cuda"][phase(T)])
         view = dict(cfg, up_bm=cfg["block_m"], dn_bm=cfg["block_m"])
         fitted = fit_shared_memory(view, torch.empty((), dtype=dtype).element_size(), shared_memory_bytes(device))
         cfg.update({k: fitted[k] for k in cfg})
