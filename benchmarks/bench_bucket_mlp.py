@@ -106,7 +106,7 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
                                              json.dumps(c, sort_keys=True) if c else "")
         cap = protos[w["bucket"].long()].float().mean().item()
         info = dict(capacity=cap, prototypes=protos.shape[0], structure=kind,
-                    config=BK.config_for(len(w["x"]), w["x"].dtype, w["x"].device, cfg))
+                    config=BK.config_for(len(w["x"]), gs, w["x"].dtype, w["x"].device, cfg))
         try:
             info["rel_l2"] = rel(fn(), BK.mlp_bucket_ref(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], protos, gs))
         except Exception as e:  # a swept tile that does not fit this GPU is a row, not the end of the run

@@ -232,6 +232,13 @@ def test_opcheck_and_fake_shape(dtype):
     assert out.shape == (37, 16) and out.dtype == dtype
 
 
+def test_wrapper_under_torch_compile():
+    """The public wrapper traces into one graph (no host check while compiling) and matches eager."""
+    x, wg, wu, wd, bucket, protos = (t.cpu() for t in make_case(7, 16, 4, 8, 3, torch.float32))
+    fn = torch.compile(lambda *a: wide_mlp_bucket(*a, 8), backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(x, wg, wu, wd, bucket, protos), wide_mlp_bucket(x, wg, wu, wd, bucket, protos, 8))
+
+
 @pytest.mark.skipif(DEV != "cpu", reason="the traced CUDA body runs in a CPU-only subprocess")
 def test_cuda_body_traces_with_fake_tensors():
     """The op's CUDA body traced with fake CUDA tensors (as Inductor traces a triton_op): three kernel launches,
@@ -281,9 +288,9 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="group_size 5 must divide"):
         wide_mlp_bucket(x, wg, wu, wd, bucket, protos, 5)
     with pytest.raises(ValueError, match="unknown keys"):
-        BK.config_for(4, torch.float32, overrides={"BLOCK_M": 16})
+        BK.config_for(4, 8, torch.float32, overrides={"BLOCK_M": 16})
     with pytest.raises(ValueError, match="power of two"):
-        BK.config_for(4, torch.float32, overrides={"block_m": 24})
+        BK.config_for(4, 8, torch.float32, overrides={"block_m": 24})
 
 
 # ----------------------------------------------------------------------------- GPU-sized (compiled only)
@@ -319,7 +326,7 @@ def test_padding_rows_of_h_are_zero_and_read_no_x_row():
     x, wg, wu, wd, bucket, protos = make_case(T, D, 3, gs, 3, torch.float32, protos_kind="on")
     big = torch.full((T + 16, D), float("nan"), device=DEV)
     big[:T] = x
-    cfg = BK.config_for(T, torch.float32, overrides=dict(block_m=16))
+    cfg = BK.config_for(T, gs, torch.float32, overrides=dict(block_m=16))
     lists = BK.bucket_lists_triton(bucket, protos, 16)
     h = BK.gate_up_triton(big[:T], wg, wu, lists, gs, "silu", cfg)
     used = (lists[1] >= 0).repeat_interleave(16)                          # rows of used blocks
@@ -328,3 +335,23 @@ def test_padding_rows_of_h_are_zero_and_read_no_x_row():
     assert (h[pad] == 0).all()
     out = BK.down_triton(h, wd, lists, T, gs, cfg)
     assert rel(out, BK.mlp_bucket_ref(x.double(), wg.double(), wu.double(), wd.double(), bucket, protos, gs)) <= 1e-4
+
+
+def test_cuda_config_table(monkeypatch):
+    """The CUDA table (read on the CPU): decode rows up to DECODE_T tokens, prefill rows above; the down K tile
+    capped at the group; every row, in bf16 and fp32, within Hopper's shared memory (compact_mlp's model)."""
+    from wide_compile.kernels import compact_mlp
+    from wide_compile.kernels.tuning import DECODE_T
+
+    monkeypatch.setattr(BK, "interpreting", lambda: False)
+    assert BK.config_for(1, 64, torch.bfloat16) == BK.CONFIGS["cuda"]["decode"]
+    assert BK.config_for(DECODE_T, 64, torch.bfloat16)["block_m"] == BK.CONFIGS["cuda"]["decode"]["block_m"]
+    assert BK.config_for(DECODE_T + 1, 64, torch.bfloat16) == BK.CONFIGS["cuda"]["prefill"]
+    assert BK.config_for(4096, 16, torch.bfloat16)["dn_bk"] == 16
+    assert BK.config_for(4096, 16, torch.bfloat16, overrides=dict(dn_bk=64))["dn_bk"] == 64
+    for T in (1, 4096):
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = BK.config_for(T, 64, dtype)
+            view = dict(cfg, up_bm=cfg["block_m"], dn_bm=cfg["block_m"])
+            need = compact_mlp.shared_memory_need(view, torch.empty((), dtype=dtype).element_size())
+            assert max(need) <= compact_mlp.SMEM_FALLBACK, (T, dtype, need)

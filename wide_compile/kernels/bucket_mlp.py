@@ -75,13 +75,15 @@ def phase(T: int) -> str:
     return "decode" if T <= DECODE_T else "prefill"
 
 
-def config_for(T: int, dtype: torch.dtype, device=None, overrides: Optional[dict] = None) -> dict:
-    """The tile config for T tokens (the interpreter's under TRITON_INTERPRET=1), fitted to the device's shared
-    memory for this dtype, then `overrides` (sweeps, tests) unchanged."""
+def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrides: Optional[dict] = None) -> dict:
+    """The tile config for T tokens (the interpreter's under TRITON_INTERPRET=1), its down K tile capped at the
+    group (a K tile never spans two groups' columns of h), fitted to the device's shared memory for this dtype,
+    then `overrides` (sweeps, tests) unchanged."""
     if interpreting():
         cfg = dict(CONFIGS["interpreter"])
     else:
         cfg = dict(CONFIGS["cuda"][phase(T)])
+        cfg["dn_bk"] = min(cfg["dn_bk"], max(16, triton.next_power_of_2(group_size)))
         view = dict(cfg, up_bm=cfg["block_m"], dn_bm=cfg["block_m"])
         fitted = fit_shared_memory(view, torch.empty((), dtype=dtype).element_size(), shared_memory_bytes(device))
         cfg.update({k: fitted[k] for k in cfg})
@@ -386,7 +388,7 @@ def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, 
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"mlp_bucket_triton: x must be float16, bfloat16 or float32, got {x.dtype} "
                          "(mlp_bucket_ref computes any dtype)")
-    cfg = config_for(T, x.dtype, x.device, config)
+    cfg = config_for(T, group_size, x.dtype, x.device, config)
     if T == 0:
         return alloc((T, D), x.dtype, x.device)
     lists = bucket_lists_triton(bucket, protos, cfg["block_m"], wrap)
