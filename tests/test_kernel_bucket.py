@@ -20,9 +20,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import wide_compile.kernels  # noqa: E402,F401  (registers torch.ops.wide.mlp_bucket)
+from wide_compile.kernels import bucket_attn as BAT  # noqa: E402
 from wide_compile.kernels import bucket_mlp as BK  # noqa: E402
 from wide_compile.kernels import reference as R  # noqa: E402
-from wide_compile.kernels.bucket_ops import wide_mlp_bucket  # noqa: E402
+from wide_compile.kernels.bucket_ops import wide_mlp_bucket, wide_o_proj_bucket, wide_q_proj_bucket  # noqa: E402
 
 MR = importlib.import_module("wide_compile.kernels.reorder")
 
@@ -355,3 +356,92 @@ def test_cuda_config_table(monkeypatch):
             view = dict(cfg, up_bm=cfg["block_m"], dn_bm=cfg["block_m"])
             need = compact_mlp.shared_memory_need(view, torch.empty((), dtype=dtype).element_size())
             assert max(need) <= compact_mlp.SMEM_FALLBACK, (T, dtype, need)
+
+
+# ----------------------------------------------------------------------------- attention projections
+
+def proj_case(T, D, G, cols, P, dtype, bias, protos_kind="mixed", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    Nq = G * cols
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    wq = (torch.randn(Nq, D, generator=gen) / D ** 0.5).to(dtype)
+    bq = torch.randn(Nq, generator=gen).to(dtype) if bias else None
+    a = torch.randn(T, Nq, generator=gen).to(dtype)
+    wo = (torch.randn(D, Nq, generator=gen) / Nq ** 0.5).to(dtype)
+    bo = torch.randn(D, generator=gen).to(dtype) if bias else None
+    protos = make_protos(P, G, protos_kind, gen)
+    bucket = make_bucket(T, P, "skewed" if seed % 2 else "random", gen)
+    return [None if t is None else t.to(DEV) for t in (x, wq, bq, a, wo, bo, bucket, protos)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
+@pytest.mark.parametrize("T", [1, 3, 17, 70])
+def test_attention_projections(T, protos_kind, dtype):
+    """q_proj / o_proj with bucketed head-group masks against the float64 references (wide.q_proj / wide.o_proj
+    with mask = protos[bucket]); inactive q columns exactly 0; inactive a columns (NaN here) never read."""
+    x, wq, bq, a, wo, bo, bucket, protos = proj_case(T, 24, 4, 16, 3, dtype, bias=T % 2 == 1, protos_kind=protos_kind,
+                                                     seed=T)
+    mask = protos[bucket.long()]
+    d = torch.float64
+    q = BAT.q_proj_bucket_triton(x, wq, bq, bucket, protos, 16)
+    assert q.shape == (T, 64) and q.dtype == dtype
+    assert rel(q, R.q_proj_ref(x.to(d), wq.to(d), None if bq is None else bq.to(d), mask, 16)) <= TOL[dtype]
+    assert (q[R.expand_mask(~mask, 16)] == 0).all(), "inactive q columns must be exactly 0"
+    a_nan = a.clone()
+    a_nan[R.expand_mask(~mask, 16)] = float("nan")
+    o = BAT.o_proj_bucket_triton(a_nan, wo, bo, bucket, protos, 16)
+    assert o.shape == (T, 24) and o.dtype == dtype
+    assert rel(o, R.o_proj_ref(a.to(d), wo.t().to(d), None if bo is None else bo.to(d), mask, 16)) <= TOL[dtype]
+
+
+def test_attention_projections_tiles_and_bad_ids():
+    """A column tile spanning groups (cols 24), a bigger block, and ids outside [0, P): NaN rows."""
+    x, wq, bq, a, wo, bo, bucket, protos = proj_case(37, 20, 5, 24, 4, torch.float32, bias=True, seed=1)
+    cfg = dict(block_m=32, up_bn=32, dn_bn=16, dn_bk=16)
+    bucket[[3, 8]] = torch.tensor([4, -2], dtype=bucket.dtype, device=DEV)
+    bad = torch.zeros(37, dtype=torch.bool, device=DEV)
+    bad[[3, 8]] = True
+    d = torch.float64
+    for got, exp in ((BAT.q_proj_bucket_triton(x, wq, bq, bucket, protos, 24, config=cfg),
+                      BAT.q_proj_bucket_ref(x.to(d), wq.to(d), bq.to(d), bucket, protos, 24)),
+                     (BAT.o_proj_bucket_triton(a, wo, bo, bucket, protos, 24, config=cfg),
+                      BAT.o_proj_bucket_ref(a.to(d), wo.to(d), bo.to(d), bucket, protos, 24))):
+        assert torch.isnan(got[bad]).all() and torch.isnan(exp[bad]).all()
+        assert rel(got[~bad], exp[~bad]) <= 1e-4
+
+
+def test_projection_ops_opcheck_and_wrappers():
+    x, wq, bq, a, wo, bo, bucket, protos = (None if t is None else t.cpu()
+                                            for t in proj_case(6, 12, 4, 8, 3, torch.float32, bias=True))
+    for args in ((x, wq, bq, bucket, protos, 8, ""), (x, wq, None, bucket, protos, 8, "")):
+        torch.library.opcheck(torch.ops.wide.q_proj_bucket.default, args)
+    for args in ((a, wo, bo, bucket, protos, 8, ""), (a, wo, None, bucket, protos, 8, "")):
+        torch.library.opcheck(torch.ops.wide.o_proj_bucket.default, args)
+    d = torch.float64
+    keep = protos.repeat_interleave(8, dim=-1).to(d)[bucket.long()]      # [T, Nq], the DESIGN oracle's zeroing
+    q = wide_q_proj_bucket(x.to(d).view(2, 3, 12), wq.to(d), bq.to(d), bucket.view(2, 3), protos, 8)
+    assert torch.allclose(q.view(6, 32), (x.to(d) @ wq.to(d).T + bq.to(d)) * keep, rtol=1e-12, atol=1e-12)
+    o = wide_o_proj_bucket(a.to(d).view(2, 3, 32), wo.to(d), bo.to(d), bucket.view(2, 3), protos, 8)
+    assert torch.allclose(o.view(6, 12), (a.to(d) * keep) @ wo.to(d).T + bo.to(d), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"bucket ids must lie in \[0, P\)"):
+        wide_o_proj_bucket(a, wo, bo, torch.full((6,), 3), protos, 8)
+    with pytest.raises(ValueError, match="group_size 5 must divide the grouped size 32"):
+        wide_q_proj_bucket(x, wq, bq, bucket, protos, 5)
+    with pytest.raises(ValueError, match=r"bias must be \[12\]"):
+        wide_o_proj_bucket(a, wo, bq, bucket, protos, 8)
+    with pytest.raises(ValueError, match="the weight \\[N, K\\]"):
+        wide_o_proj_bucket(a, wo.t(), bo, bucket, protos, 8)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 16, 517, 2048])
+def test_attention_projections_large(T, dtype):
+    x, wq, bq, a, wo, bo, bucket, protos = proj_case(T, 576, 9, 64, 8, dtype, bias=T % 2 == 1, seed=T)
+    mask = protos[bucket.long()]
+    d = torch.float64
+    q = BAT.q_proj_bucket_triton(x, wq, bq, bucket, protos, 64)
+    assert rel(q, R.q_proj_ref(x.to(d), wq.to(d), None if bq is None else bq.to(d), mask, 64)) <= TOL[dtype]
+    o = BAT.o_proj_bucket_triton(a, wo, bo, bucket, protos, 64)
+    assert rel(o, R.o_proj_ref(a.to(d), wo.t().to(d), None if bo is None else bo.to(d), mask, 64)) <= TOL[dtype]

@@ -236,87 +236,123 @@ def _block_and_tile(NB, num_n, GROUP_M: tl.constexpr):
     return m, n
 
 
-@triton.jit(do_not_specialize=["T", "NB"])
-def _bucket_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
-                           T, D, NB, stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
-                           stride_hm, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                           UPCAST: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "P", "NB"])
+def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
+                            T, D, P, NB, stride_xm, stride_xk, stride_w1n, stride_w1k, stride_w2n, stride_w2k,
+                            stride_om, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            SCATTER: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # N = the bucket's groups' output columns. GATED: act(x W1^T) * (x W2^T) (the MLP's gate/up), else x W1^T + b.
+    # SCATTER=False: compact store (column block j = the prototype's j-th active group) at the block's rows;
+    # SCATTER=True: store at the tokens' rows and the groups' own columns, zeros on the inactive groups (q_proj)
     m, n = _block_and_tile(NB, tl.cdiv(G * GS, BN), GROUP_M)
     p = tl.load(bblock_ptr + m)
     if p < 0:  # past the used blocks
         return
     width = tl.load(pcount_ptr + p) * GS
-    if n * BN >= width:  # past the bucket's compact width
-        return
+    if not SCATTER:
+        if n * BN >= width:  # past the bucket's compact width
+            return
     slots = m * BM + tl.arange(0, BM)
     tok = tl.load(sorted_ptr + slots)                                   # [BM], sentinel T = padding
     tvalid = tok < T
     tok64 = tok.to(tl.int64)
     c = n * BN + tl.arange(0, BN)                                       # compact columns
     cvalid = c < width
-    grp = tl.load(pgroups_ptr + p * G + c // GS, mask=cvalid, other=0)
+    grp = tl.load(pgroups_ptr + p * G + c // GS, mask=c < G * GS, other=0)  # active groups, then inactive ones
     wrow = (grp * GS + c % GS).to(tl.int64)                             # [BN] weight rows of those columns
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    if SCATTER:
+        optrs = out_ptr + tok64[:, None] * stride_om + wrow[None, :]
+        omask = tvalid[:, None] & (c < G * GS)[None, :]
+        fill = tl.where(p == P, float("nan"), 0.0)                      # bucket P: ids outside [0, P)
+        if n * BN >= width:  # only inactive groups' columns
+            tl.store(optrs, (tl.zeros([BM, BN], dtype=tl.float32) + fill).to(out_ptr.dtype.element_ty), mask=omask)
+            return
+    else:
+        optrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + c[None, :]
+        omask = cvalid[None, :]  # padding rows too (act(0) * 0 = 0): the down kernel reads whole blocks
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    if GATED:
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, D, BK):
         k = k0 + tl.arange(0, BK)
         kv = k < D
         a = tl.load(x_ptr + tok64[:, None] * stride_xm + k[None, :] * stride_xk,
                     mask=tvalid[:, None] & kv[None, :], other=0.0)     # [BM, BK]
-        wg = tl.load(wg_ptr + wrow[:, None] * stride_wgn + k[None, :] * stride_wgk,
+        w1 = tl.load(w1_ptr + wrow[:, None] * stride_w1n + k[None, :] * stride_w1k,
                      mask=cvalid[:, None] & kv[None, :], other=0.0)    # [BN, BK]
-        wu = tl.load(wu_ptr + wrow[:, None] * stride_wun + k[None, :] * stride_wuk,
-                     mask=cvalid[:, None] & kv[None, :], other=0.0)
         if UPCAST:  # the Triton CPU interpreter mis-computes half-precision dots: exact upcast to fp32
             a = a.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
-    if ACT == 0:  # silu
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-    elif ACT == 1:  # gelu: x * Phi(x)
-        h = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
-    else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
-        z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-        h = acc_g * tl.sigmoid(2.0 * z) * acc_u
-    # padding rows hold act(0) * 0 = 0: the down kernel reads whole blocks without a row mask
-    tl.store(h_ptr + slots.to(tl.int64)[:, None] * stride_hm + c[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=cvalid[None, :])
+            w1 = w1.to(tl.float32)
+        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
+        if GATED:
+            w2 = tl.load(w2_ptr + wrow[:, None] * stride_w2n + k[None, :] * stride_w2k,
+                         mask=cvalid[:, None] & kv[None, :], other=0.0)
+            if UPCAST:
+                w2 = w2.to(tl.float32)
+            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
+    if GATED:
+        if ACT == 0:  # silu
+            y = acc1 * tl.sigmoid(acc1) * acc2
+        elif ACT == 1:  # gelu: x * Phi(x)
+            y = 0.5 * acc1 * (1.0 + tl.math.erf(acc1 * 0.7071067811865476)) * acc2
+        else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
+            z = 0.7978845608028654 * (acc1 + 0.044715 * acc1 * acc1 * acc1)
+            y = acc1 * tl.sigmoid(2.0 * z) * acc2
+    else:
+        y = acc1
+        if HAS_BIAS:
+            y += tl.load(b_ptr + wrow, mask=cvalid, other=0.0).to(tl.float32)[None, :]
+    y = y.to(out_ptr.dtype.element_ty)  # rounded once, then exact zeros on the inactive groups' columns
+    if SCATTER:
+        y = tl.where(cvalid[None, :], y, fill.to(out_ptr.dtype.element_ty))
+    tl.store(optrs, y, mask=omask)
 
 
 @triton.jit(do_not_specialize=["T", "P", "NB"])
-def _bucket_down_kernel(h_ptr, wd_ptr, out_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
-                        T, D, P, NB, stride_hm, stride_wdn, stride_wdk, stride_om,
-                        G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    m, n = _block_and_tile(NB, tl.cdiv(D, BN), GROUP_M)
+def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
+                            T, N, P, NB, stride_am, stride_wn, stride_wk, stride_om,
+                            G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            GROUP_M: tl.constexpr, COMPACT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # out[tok, :N] = a[tok, the prototype's groups] @ W[:, those groups]^T (+ b), K over the active groups only.
+    # COMPACT_A: a is the bucket-compact h (rows = the block's slots, column block j = j-th active group), else
+    # a full-width [T, G * GS] input gathered by token and group (o_proj)
+    m, n = _block_and_tile(NB, tl.cdiv(N, BN), GROUP_M)
     p = tl.load(bblock_ptr + m)
     if p < 0:
         return
     n_groups = tl.load(pcount_ptr + p)
     slots = m * BM + tl.arange(0, BM)
     tok = tl.load(sorted_ptr + slots)
-    h_rows = h_ptr + slots.to(tl.int64)[:, None] * stride_hm
+    tvalid = tok < T
+    if COMPACT_A:
+        a_rows = a_ptr + slots.to(tl.int64)[:, None] * stride_am
+    else:
+        a_rows = a_ptr + tok.to(tl.int64)[:, None] * stride_am
     cols = n * BN + tl.arange(0, BN)
-    cvalid = cols < D
+    cvalid = cols < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for j in range(0, n_groups):  # K = the prototype's active groups only
         g = tl.load(pgroups_ptr + p * G + j)
         for kk in tl.static_range(0, GS, BK):
             kin = kk + tl.arange(0, BK)
             kv = kin < GS
-            a = tl.load(h_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)          # [BM, BK]
-            w = tl.load(wd_ptr + cols[None, :].to(tl.int64) * stride_wdn + (g * GS + kin)[:, None] * stride_wdk,
-                        mask=kv[:, None] & cvalid[None, :], other=0.0)                           # [BK, BN]
+            if COMPACT_A:
+                a = tl.load(a_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)              # [BM, BK]
+            else:
+                a = tl.load(a_rows + (g * GS + kin)[None, :], mask=tvalid[:, None] & kv[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + (g * GS + kin)[:, None] * stride_wk,
+                        mask=kv[:, None] & cvalid[None, :], other=0.0)                                # [BK, BN]
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)[None, :]
     acc = tl.where(p == P, float("nan"), acc)  # bucket P: ids outside [0, P)
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(tok < T)[:, None] & cvalid[None, :])
+             mask=tvalid[:, None] & cvalid[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -343,37 +379,51 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if (dtype == torch.float32 or interpreting()) else "tf32"
 
 
+def gather_n_triton(x, w1, w2, bias, out, lists: tuple, group_size: int, cfg: dict, *, gated: bool, scatter: bool,
+                    act: str = "silu", wrap: bool = False):
+    """Launch _bucket_gather_n_kernel into `out`: [NB * BM, F] bucket-compact (scatter=False) or [T, F] full width
+    (scatter=True: zeros on each token's inactive groups)."""
+    sorted_ids, block_bucket, proto_groups, proto_counts = lists
+    T, D = x.shape
+    F = w1.shape[0]
+    w2 = w2 if w2 is not None else w1
+    _launcher(_bucket_gather_n_kernel, wrap)[(block_bucket.shape[0] * triton.cdiv(F, cfg["up_bn"]),)](
+        x, w1, w2, bias if bias is not None else w1, out, sorted_ids, block_bucket, proto_groups, proto_counts,
+        T, D, proto_counts.shape[0] - 1, block_bucket.shape[0], x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
+        w2.stride(0), w2.stride(1), out.stride(0),
+        G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["up_bn"], BK=cfg["up_bk"], GROUP_M=cfg["group_m"],
+        GATED=gated, HAS_BIAS=bias is not None, SCATTER=scatter, ACT=ACT_IDS[act], PREC=_prec(x.dtype),
+        UPCAST=_upcast(x.dtype), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+    return out
+
+
+def gather_k_triton(a, w, bias, lists: tuple, T: int, group_size: int, cfg: dict, *, compact_a: bool,
+                    wrap: bool = False):
+    """out [T, N] = each token's a over its prototype's groups @ w[:, those groups]^T (+ bias), w [N, K]; `a` is
+    the bucket-compact h (compact_a) or a full-width [T, K] input."""
+    sorted_ids, block_bucket, proto_groups, proto_counts = lists
+    N, K = w.shape
+    out = alloc((T, N), a.dtype, a.device)
+    _launcher(_bucket_gather_k_kernel, wrap)[(block_bucket.shape[0] * triton.cdiv(N, cfg["dn_bn"]),)](
+        a, w, bias if bias is not None else w, out, sorted_ids, block_bucket, proto_groups, proto_counts,
+        T, N, proto_counts.shape[0] - 1, block_bucket.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        G=K // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["dn_bn"], BK=cfg["dn_bk"], GROUP_M=cfg["group_m"],
+        COMPACT_A=compact_a, HAS_BIAS=bias is not None, PREC=_prec(a.dtype), UPCAST=_upcast(a.dtype),
+        num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+    return out
+
+
 def gate_up_triton(x, w_gate, w_up, lists: tuple, group_size: int, act: str, cfg: dict, wrap: bool = False):
     """The bucket-compact h [NB * BM, F] of the gate/up kernel: row r = the r-th entry of the sorted token list,
     column block j = the j-th active group of the row's prototype (columns past its width are not written)."""
-    sorted_ids, block_bucket, proto_groups, proto_counts = lists
-    T, D = x.shape
-    F = w_gate.shape[0]
-    nb, bm = block_bucket.shape[0], cfg["block_m"]
-    h = alloc((nb * bm, F), x.dtype, x.device)
-    _launcher(_bucket_gate_up_kernel, wrap)[(nb * triton.cdiv(F, cfg["up_bn"]),)](
-        x, w_gate, w_up, h, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, nb,
-        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), h.stride(0),
-        G=F // group_size, GS=group_size, BM=bm, BN=cfg["up_bn"], BK=cfg["up_bk"], GROUP_M=cfg["group_m"],
-        ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype), num_warps=cfg["up_warps"],
-        num_stages=cfg["up_stages"])
-    return h
+    h = alloc((lists[1].shape[0] * cfg["block_m"], w_gate.shape[0]), x.dtype, x.device)
+    return gather_n_triton(x, w_gate, w_up, None, h, lists, group_size, cfg, gated=True, scatter=False, act=act,
+                           wrap=wrap)
 
 
 def down_triton(h, w_down, lists: tuple, T: int, group_size: int, cfg: dict, wrap: bool = False):
     """out [T, D]: each token's row of h @ W_down^T over its prototype's groups, stored at its position."""
-    sorted_ids, block_bucket, proto_groups, proto_counts = lists
-    D, F = w_down.shape
-    P = proto_counts.shape[0] - 1
-    nb = block_bucket.shape[0]
-    out = alloc((T, D), h.dtype, h.device)
-    _launcher(_bucket_down_kernel, wrap)[(nb * triton.cdiv(D, cfg["dn_bn"]),)](
-        h, w_down, out, sorted_ids, block_bucket, proto_groups, proto_counts, T, D, P, nb,
-        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["dn_bn"], BK=cfg["dn_bk"],
-        GROUP_M=cfg["group_m"], PREC=_prec(h.dtype), UPCAST=_upcast(h.dtype), num_warps=cfg["dn_warps"],
-        num_stages=cfg["dn_stages"])
-    return out
+    return gather_k_triton(h, w_down, None, lists, T, group_size, cfg, compact_a=True, wrap=wrap)
 
 
 def _upcast(dtype: torch.dtype) -> bool:
