@@ -242,23 +242,33 @@ def test_wrapper_under_torch_compile():
 
 @pytest.mark.skipif(DEV != "cpu", reason="the traced CUDA body runs in a CPU-only subprocess")
 def test_cuda_body_traces_with_fake_tensors():
-    """The op's CUDA body traced with fake CUDA tensors (as Inductor traces a triton_op): three kernel launches,
-    static shapes. Runs in a subprocess without TRITON_INTERPRET (compiled-mode Triton functions)."""
+    """The ops' CUDA bodies traced with fake CUDA tensors (as Inductor traces a triton_op): three kernel launches
+    for the MLP, two for each projection, static shapes. Runs in a subprocess without TRITON_INTERPRET
+    (compiled-mode Triton functions)."""
     code = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from wide_compile.kernels.bucket_attn import o_proj_bucket_triton, q_proj_bucket_triton
 from wide_compile.kernels.bucket_mlp import mlp_bucket_triton
 for T in (1, 300):
     with FakeTensorMode(allow_non_fake_inputs=True):
         shapes = [((T, 64), torch.bfloat16), ((256, 64), torch.bfloat16), ((256, 64), torch.bfloat16),
                   ((64, 256), torch.bfloat16), ((T,), torch.int32), ((16, 4), torch.bool)]
         args = [torch.empty(s, device="cuda", dtype=d) for s, d in shapes]
+        bq = torch.empty(256, device="cuda", dtype=torch.bfloat16)
+        a = torch.empty(T, 256, device="cuda", dtype=torch.bfloat16)
     gm = make_fx(lambda *a: mlp_bucket_triton(*a, 64, "silu", wrap=True), tracing_mode="fake")(*args)
     launches = sum(1 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target))
     out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     assert launches == 3, launches
     assert tuple(out.meta["val"].shape) == (T, 64), out.meta["val"].shape
+    for fn, inputs, shape in ((q_proj_bucket_triton, (args[0], args[1], bq), (T, 256)),
+                              (o_proj_bucket_triton, (a, args[3], None), (T, 64))):
+        gm = make_fx(lambda *a, fn=fn: fn(*a, 64, wrap=True), tracing_mode="fake")(*inputs, args[4], args[5])
+        launches = sum(1 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target))
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        assert launches == 2 and tuple(out.meta["val"].shape) == shape, (fn.__name__, launches)
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
