@@ -11,6 +11,7 @@ Variants, per token count T, all from one interleaved run:
   bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each an iid Bernoulli(capacity) subset, each token's
                    prototype uniform at random
   bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
+  (T <= 16 runs as one block over the union of the tokens' prototypes; see bucket_mlp's docstring.)
   --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase] (a candidate that fails is a row with its
   error).
 Each WIDE variant is checked against its PyTorch reference before timing (relative L2 <= 2e-2, bf16). Each

@@ -104,6 +104,17 @@ def oracle_f64(x, wg, wu, wd, bucket, protos, gs, act):
     return torch.stack([(fn(x[t] @ wg.T) * (x[t] @ wu.T)) @ (wd * keep[t][None, :]).T for t in range(x.shape[0])])
 
 
+def mode_config(T, mode):
+    """Tile overrides that run T tokens as the default does ("default"), or the other way ("other": bucket lists
+    for a few tokens, one union block for more)."""
+    if mode == "default":
+        return None
+    if T <= BK.CONFIGS["interpreter"]["union_max_t"]:
+        return dict(union_max_t=0)
+    bm = max(16, 1 << (T - 1).bit_length())
+    return dict(block_m=bm, union_max_t=bm)
+
+
 def run_case(T, D, G, gs, P, dtype, protos_kind="mixed", bucket_kind="random", act="silu", config=None, seed=0):
     x, wg, wu, wd, bucket, protos = make_case(T, D, G, gs, P, dtype, protos_kind, bucket_kind, seed)
     out = BK.mlp_bucket_triton(x, wg, wu, wd, bucket, protos, gs, act, config=config)
@@ -136,6 +147,22 @@ def test_lists_match_reference(T, P, kind, block_m):
     assert block_bucket.shape[0] == BK.n_blocks(T, P, block_m)
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("T,P", [(1, 1), (1, 6), (3, 4), (16, 5), (11, 40)])
+def test_union_lists_match_reference(T, P, block_m):
+    gen = torch.Generator().manual_seed(T * 7 + P)
+    bucket = make_bucket(T, P, "random", gen).to(DEV)
+    if T > 2:
+        bucket[1] = P  # an id out of range adds no group
+    protos = make_protos(P, 9, "mixed", gen).to(DEV)
+    got = BK.union_lists_triton(bucket, protos, block_m)
+    exp = BK.union_lists_ref(bucket, protos, block_m)
+    for g, e, name in zip(got, exp, ("sorted_ids", "block_bucket", "proto_groups", "proto_counts")):
+        assert g.dtype == torch.int32 and torch.equal(g, e), name
+    ok = bucket[(bucket >= 0) & (bucket < P)].long()
+    assert int(exp[3]) == int(protos[ok].any(0).sum())
+
+
 def test_lists_out_of_range_ids_form_their_own_bucket():
     bucket = torch.tensor([0, -1, 2, 7, 1, 2], dtype=torch.int64, device=DEV)
     protos = make_protos(3, 5, "mixed", torch.Generator().manual_seed(0)).to(DEV)
@@ -150,11 +177,13 @@ def test_lists_out_of_range_ids_form_their_own_bucket():
 
 # ----------------------------------------------------------------------------- the MLP
 
+@pytest.mark.parametrize("mode", ["default", "other"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
 @pytest.mark.parametrize("T", [1, 3, 17, 70])
-def test_mlp_bucket(T, protos_kind, dtype):
-    run_case(T, D=27, G=5, gs=16, P=4, dtype=dtype, protos_kind=protos_kind, seed=T)
+def test_mlp_bucket(T, protos_kind, dtype, mode):
+    """Bucket lists and the union block (mode_config), each on both sides of the default switch."""
+    run_case(T, D=27, G=5, gs=16, P=4, dtype=dtype, protos_kind=protos_kind, config=mode_config(T, mode), seed=T)
 
 
 @pytest.mark.parametrize("protos_kind,P", [("on", 1), ("off", 1), ("mixed", 1), ("mixed", 3), ("on", 3),
@@ -195,11 +224,12 @@ def test_mlp_bucket_strided_weights():
     assert rel(out, BK.mlp_bucket_ref(x.double(), wg.double(), wu.double(), wd.double(), bucket, protos, 16)) <= 1e-4
 
 
-def test_out_of_range_ids_give_nan_rows_on_the_kernel_path():
+@pytest.mark.parametrize("mode", ["default", "other"])
+def test_out_of_range_ids_give_nan_rows_on_the_kernel_path(mode):
     x, wg, wu, wd, bucket, protos = make_case(9, 16, 3, 16, 2, torch.float32)
     bucket[2], bucket[5] = 2, -1
     ref = BK.mlp_bucket_ref(x.double(), wg.double(), wu.double(), wd.double(), bucket, protos, 16)
-    out = BK.mlp_bucket_triton(x, wg, wu, wd, bucket, protos, 16)
+    out = BK.mlp_bucket_triton(x, wg, wu, wd, bucket, protos, 16, config=mode_config(9, mode))
     bad = torch.zeros(9, dtype=torch.bool, device=DEV)
     bad[[2, 5]] = True
     assert torch.isnan(out[bad]).all() and torch.isnan(ref[bad]).all()
@@ -337,11 +367,11 @@ def test_padding_rows_of_h_are_zero_and_read_no_x_row():
     x, wg, wu, wd, bucket, protos = make_case(T, D, 3, gs, 3, torch.float32, protos_kind="on")
     big = torch.full((T + 16, D), float("nan"), device=DEV)
     big[:T] = x
-    cfg = BK.config_for(T, gs, torch.float32, overrides=dict(block_m=16))
-    lists = BK.bucket_lists_triton(bucket, protos, 16)
+    cfg = BK.config_for(T, gs, torch.float32, overrides=dict(block_m=16, union_max_t=0))
+    lists = BK.make_lists(bucket, protos, cfg)
     h = BK.gate_up_triton(big[:T], wg, wu, lists, gs, "silu", cfg)
-    used = (lists[1] >= 0).repeat_interleave(16)                          # rows of used blocks
-    pad = used & (lists[0] == T)
+    used = (lists.block_bucket >= 0).repeat_interleave(16)               # rows of used blocks
+    pad = used & (lists.sorted_ids == T)
     assert pad.any() and torch.isfinite(h[used]).all()
     assert (h[pad] == 0).all()
     out = BK.down_triton(h, wd, lists, T, gs, cfg)
@@ -384,31 +414,34 @@ def proj_case(T, D, G, cols, P, dtype, bias, protos_kind="mixed", seed=0):
     return [None if t is None else t.to(DEV) for t in (x, wq, bq, a, wo, bo, bucket, protos)]
 
 
+@pytest.mark.parametrize("mode", ["default", "other"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
 @pytest.mark.parametrize("T", [1, 3, 17, 70])
-def test_attention_projections(T, protos_kind, dtype):
+def test_attention_projections(T, protos_kind, dtype, mode):
     """q_proj / o_proj with bucketed head-group masks against the float64 references (wide.q_proj / wide.o_proj
     with mask = protos[bucket]); inactive q columns exactly 0; inactive a columns (NaN here) never read."""
     x, wq, bq, a, wo, bo, bucket, protos = proj_case(T, 24, 4, 16, 3, dtype, bias=T % 2 == 1, protos_kind=protos_kind,
                                                      seed=T)
     mask = protos[bucket.long()]
     d = torch.float64
-    q = BAT.q_proj_bucket_triton(x, wq, bq, bucket, protos, 16)
+    cfg = mode_config(T, mode)
+    q = BAT.q_proj_bucket_triton(x, wq, bq, bucket, protos, 16, config=cfg)
     assert q.shape == (T, 64) and q.dtype == dtype
     assert rel(q, R.q_proj_ref(x.to(d), wq.to(d), None if bq is None else bq.to(d), mask, 16)) <= TOL[dtype]
     assert (q[R.expand_mask(~mask, 16)] == 0).all(), "inactive q columns must be exactly 0"
     a_nan = a.clone()
     a_nan[R.expand_mask(~mask, 16)] = float("nan")
-    o = BAT.o_proj_bucket_triton(a_nan, wo, bo, bucket, protos, 16)
+    o = BAT.o_proj_bucket_triton(a_nan, wo, bo, bucket, protos, 16, config=cfg)
     assert o.shape == (T, 24) and o.dtype == dtype
     assert rel(o, R.o_proj_ref(a.to(d), wo.t().to(d), None if bo is None else bo.to(d), mask, 16)) <= TOL[dtype]
 
 
-def test_attention_projections_tiles_and_bad_ids():
+@pytest.mark.parametrize("union", [False, True])
+def test_attention_projections_tiles_and_bad_ids(union):
     """A column tile spanning groups (cols 24), a bigger block, and ids outside [0, P): NaN rows."""
     x, wq, bq, a, wo, bo, bucket, protos = proj_case(37, 20, 5, 24, 4, torch.float32, bias=True, seed=1)
-    cfg = dict(block_m=32, up_bn=32, dn_bn=16, dn_bk=16)
+    cfg = dict(block_m=64 if union else 32, up_bn=32, dn_bn=16, dn_bk=16, union_max_t=64 if union else 0)
     bucket[[3, 8]] = torch.tensor([4, -2], dtype=bucket.dtype, device=DEV)
     bad = torch.zeros(37, dtype=torch.bool, device=DEV)
     bad[[3, 8]] = True

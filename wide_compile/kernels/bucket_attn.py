@@ -8,7 +8,8 @@ Semantics: exactly ``wide.q_proj`` / ``wide.o_proj`` (reference.py) with the per
     o_proj: a [T, Nq], w_o [D, Nq] (o_proj.weight as is), b_o [D] or None -> [T, D]: a's columns of the token's
             groups times W_o's matching columns, + b_o once.
 
-Tokens are sorted by bucket on the device (bucket_mlp.bucket_lists_triton). q_proj: program (block, column tile
+Tokens are sorted by bucket on the device (bucket_mlp.make_lists; a few tokens form one block over the
+union of their prototypes instead). q_proj: program (block, column tile
 over the prototype's groups, active ones first) gathers x rows by token id and W_q rows of the groups, and
 scatters to the tokens' rows at the groups' own columns; tiles past the active width write the inactive groups'
 zeros, so every element is written once. o_proj: program (block, tile of D) loops K over the prototype's active
@@ -22,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import reference as _ref
-from .bucket_mlp import bucket_lists_triton, config_for, gather_k_triton, gather_n_triton
+from .bucket_mlp import config_for, gather_k_triton, gather_n_triton, make_lists
 from .reorder import alloc
 
 
@@ -98,7 +99,7 @@ def q_proj_bucket_triton(x, w_q, b_q, bucket, protos, group_size: int, *, config
     out = alloc((T, Nq), x.dtype, x.device)
     if T == 0:
         return out
-    lists = bucket_lists_triton(bucket, protos, cfg["block_m"], wrap)
+    lists = make_lists(bucket, protos, cfg, wrap)
     return gather_n_triton(x, w_q, None, b_q, out, lists, group_size, cfg, gated=False, scatter=True, wrap=wrap)
 
 
@@ -111,5 +112,5 @@ def o_proj_bucket_triton(a, w_o, b_o, bucket, protos, group_size: int, *, config
     cfg = config_for(T, group_size, a.dtype, a.device, config)
     if T == 0:
         return alloc((T, D), a.dtype, a.device)
-    lists = bucket_lists_triton(bucket, protos, cfg["block_m"], wrap)
+    lists = make_lists(bucket, protos, cfg, wrap)
     return gather_k_triton(a, w_o, b_o, lists, T, group_size, cfg, compact_a=False, wrap=wrap)

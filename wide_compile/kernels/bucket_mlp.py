@@ -24,10 +24,14 @@ Three launches, no host sync, every buffer a static function of (T, P, F) and th
    at its original position. Every token is in exactly one bucket, so every output element is written
    exactly once: no atomics, no zero fill; an all-off prototype writes exact zeros.
 
-Decode (T <= DECODE_T) runs the same kernels with a 16-token block.
+Few tokens (T <= union_max_t, a decode step) take one block instead ("union" lists, ``_union_lists_kernel``):
+all T tokens over the union of their prototypes' groups, each group's weights read once for every token, and
+the (token, group) pairs off a token's own prototype masked to 0 (as wide.mlp's tile path). Sorting a decode
+batch into buckets would read the weights of every bucket's prototype separately.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,19 +43,20 @@ from .compact_mlp import ACT_IDS, fit_shared_memory, shared_memory_bytes
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import DECODE_T, interpreting
 
-# Tile configs per device class and phase (decode: T <= DECODE_T). block_m is the token block both GEMMs
-# and the token lists share; up_* tile the gate/up kernel (N over the compact width, K over D), dn_* the
-# down kernel (N over D, K over the active groups). The interpreter's tiles are small so the tests' tiny
-# shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
+# Tile configs per device class and phase (decode: T <= DECODE_T). block_m is the token block both GEMMs and the
+# token lists share; union_max_t the largest T that runs as one union block (T <= block_m too); up_* tile the
+# gate/up kernel (N over the compact width, K over D), dn_* the down kernel (N over D, K over the active groups).
+# The interpreter's tiles are small so the tests' tiny shapes still span several blocks and tiles.
+# benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
-                       dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1),
+                       dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1, union_max_t=DECODE_T),
         "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
-                        dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8),
+                        dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8, union_max_t=DECODE_T),
     },
     "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
-                        dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2),
+                        dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2, union_max_t=DECODE_T),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
 SWEEP = {
@@ -60,6 +65,7 @@ SWEEP = {
         dict(block_m=16, up_bn=64, up_bk=128, up_warps=4, up_stages=3, dn_bn=64, dn_bk=64, dn_warps=4, dn_stages=4),
         dict(block_m=16, up_bn=16, up_bk=256, up_warps=4, up_stages=3, dn_bn=16, dn_bk=64, dn_warps=2, dn_stages=6),
         dict(block_m=16, up_bn=32, up_bk=64, up_warps=2, up_stages=6, dn_bn=32, dn_bk=64, dn_warps=2, dn_stages=6),
+        dict(union_max_t=0),  # bucket lists instead of the union block: what sorting a decode batch costs
     ),
     "prefill": (
         dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3, dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4),
@@ -96,6 +102,11 @@ def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrid
         if cfg[k] < 16 or cfg[k] & (cfg[k] - 1):
             raise ValueError(f"mlp_bucket config: {k} must be a power of two >= 16 (tl.dot), got {cfg[k]}")
     return cfg
+
+
+def uses_union(T: int, cfg: dict) -> bool:
+    """One block over the union of the tokens' prototypes (few tokens) instead of bucket lists."""
+    return T <= min(cfg["union_max_t"], cfg["block_m"])
 
 
 def n_blocks(T: int, P: int, block_m: int) -> int:
@@ -170,6 +181,22 @@ def bucket_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int) -
     return sorted_ids, block_bucket, torch.argsort(key, dim=1).to(torch.int32), on.sum(1).to(torch.int32)
 
 
+def union_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int) -> tuple:
+    """Reference for _union_lists_kernel (T <= block_m): the lists of one block holding every token in order
+    (sentinel T after them) whose "prototype" 0 is the union of the tokens' prototypes (ids outside [0, P)
+    contribute none): (sorted_ids [BM], block_bucket [1], proto_groups [1, G], proto_counts [1]), int32."""
+    T = bucket.shape[0]
+    P, G = protos.shape
+    dev = bucket.device
+    valid = (bucket >= 0) & (bucket < P)
+    on = (protos[torch.where(valid, bucket, 0).long()] & valid[:, None]).any(0).to(torch.int64)[None, :]  # [1, G]
+    key = (1 - on) * G + torch.arange(G, device=dev)
+    rows = torch.arange(block_m, device=dev)
+    sorted_ids = torch.where(rows < T, rows, T).to(torch.int32)
+    return (sorted_ids, torch.zeros(1, dtype=torch.int32, device=dev), torch.argsort(key, dim=1).to(torch.int32),
+            on.sum(1).to(torch.int32))
+
+
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit(do_not_specialize=["T", "P", "NB"])
@@ -224,6 +251,26 @@ def _bucket_lists_kernel(bucket_ptr, protos_ptr, sorted_ptr, bblock_ptr, pgroups
     tl.store(pcount_ptr + p, cnt.to(tl.int32))
 
 
+@triton.jit(do_not_specialize=["T", "P"])
+def _union_lists_kernel(bucket_ptr, protos_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr, T, P,
+                        G: tl.constexpr, GP2: tl.constexpr, BM: tl.constexpr):
+    # one program: every token (T <= BM) in one block whose group list is the union of their prototypes
+    rows = tl.arange(0, BM)
+    tvalid = rows < T
+    b = tl.load(bucket_ptr + rows, mask=tvalid, other=0)
+    ok = tvalid & (b >= 0) & (b < P)
+    gs = tl.arange(0, GP2)
+    on = tl.load(protos_ptr + b.to(tl.int64)[:, None] * G + gs[None, :], mask=ok[:, None] & (gs < G)[None, :],
+                 other=0).to(tl.int32)                                 # [BM, GP2]
+    act = tl.where((gs < G) & (tl.max(on, axis=0) != 0), 1, 0)
+    excl = tl.cumsum(act, axis=0) - act
+    cnt = tl.sum(act, axis=0)
+    tl.store(pgroups_ptr + tl.where(act > 0, excl, cnt + gs - excl), gs.to(tl.int32), mask=gs < G)
+    tl.store(pcount_ptr, cnt.to(tl.int32))
+    tl.store(sorted_ptr + rows, tl.where(tvalid, rows, T).to(tl.int32))
+    tl.store(bblock_ptr, 0)
+
+
 @triton.jit
 def _block_and_tile(NB, num_n, GROUP_M: tl.constexpr):
     # program -> (block m, tile n): GROUP_M blocks sweep the n tiles together (shared weight tiles in L2)
@@ -238,13 +285,15 @@ def _block_and_tile(NB, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "P", "NB"])
 def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
-                            T, D, P, NB, stride_xm, stride_xk, stride_w1n, stride_w1k, stride_w2n, stride_w2k,
-                            stride_om, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            SCATTER: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                            bucket_ptr, protos_ptr, T, D, P, NB, stride_xm, stride_xk, stride_w1n, stride_w1k,
+                            stride_w2n, stride_w2k, stride_om, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, UNION: tl.constexpr, ACT: tl.constexpr,
+                            PREC: tl.constexpr, UPCAST: tl.constexpr):
     # N = the bucket's groups' output columns. GATED: act(x W1^T) * (x W2^T) (the MLP's gate/up), else x W1^T + b.
     # SCATTER=False: compact store (column block j = the prototype's j-th active group) at the block's rows;
-    # SCATTER=True: store at the tokens' rows and the groups' own columns, zeros on the inactive groups (q_proj)
+    # SCATTER=True: store at the tokens' rows and the groups' own columns, zeros on the inactive groups (q_proj).
+    # UNION: the block's groups are the union of its tokens' prototypes; pairs off a token's own one give 0
     m, n = _block_and_tile(NB, tl.cdiv(G * GS, BN), GROUP_M)
     p = tl.load(bblock_ptr + m)
     if p < 0:  # past the used blocks
@@ -261,12 +310,18 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
     cvalid = c < width
     grp = tl.load(pgroups_ptr + p * G + c // GS, mask=c < G * GS, other=0)  # active groups, then inactive ones
     wrow = (grp * GS + c % GS).to(tl.int64)                             # [BN] weight rows of those columns
+    fill = tl.zeros([BM, BN], dtype=tl.float32) + tl.where(p == P, float("nan"), 0.0)  # bucket P: bad ids
+    if UNION:
+        bt = tl.load(bucket_ptr + tok, mask=tvalid, other=0)
+        id_ok = (bt >= 0) & (bt < P)
+        fill += tl.where(id_ok, 0.0, float("nan"))[:, None]
+        on = tl.load(protos_ptr + bt.to(tl.int64)[:, None] * G + grp[None, :],
+                     mask=(tvalid & id_ok)[:, None] & cvalid[None, :], other=0) != 0   # [BM, BN]: own groups
     if SCATTER:
         optrs = out_ptr + tok64[:, None] * stride_om + wrow[None, :]
         omask = tvalid[:, None] & (c < G * GS)[None, :]
-        fill = tl.where(p == P, float("nan"), 0.0)                      # bucket P: ids outside [0, P)
         if n * BN >= width:  # only inactive groups' columns
-            tl.store(optrs, (tl.zeros([BM, BN], dtype=tl.float32) + fill).to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(optrs, fill.to(out_ptr.dtype.element_ty), mask=omask)
             return
     else:
         optrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + c[None, :]
@@ -304,6 +359,8 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
         if HAS_BIAS:
             y += tl.load(b_ptr + wrow, mask=cvalid, other=0.0).to(tl.float32)[None, :]
     y = y.to(out_ptr.dtype.element_ty)  # rounded once, then exact zeros on the inactive groups' columns
+    if UNION:
+        y = tl.where(on, y, fill.to(out_ptr.dtype.element_ty))
     if SCATTER:
         y = tl.where(cvalid[None, :], y, fill.to(out_ptr.dtype.element_ty))
     tl.store(optrs, y, mask=omask)
@@ -311,13 +368,14 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
 
 @triton.jit(do_not_specialize=["T", "P", "NB"])
 def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr,
-                            T, N, P, NB, stride_am, stride_wn, stride_wk, stride_om,
+                            bucket_ptr, protos_ptr, T, N, P, NB, stride_am, stride_wn, stride_wk, stride_om,
                             G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                             GROUP_M: tl.constexpr, COMPACT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            PREC: tl.constexpr, UPCAST: tl.constexpr):
+                            UNION: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     # out[tok, :N] = a[tok, the prototype's groups] @ W[:, those groups]^T (+ b), K over the active groups only.
     # COMPACT_A: a is the bucket-compact h (rows = the block's slots, column block j = j-th active group), else
-    # a full-width [T, G * GS] input gathered by token and group (o_proj)
+    # a full-width [T, G * GS] input gathered by token and group (o_proj). UNION: the block's groups are the
+    # union of its tokens' prototypes; a full-width input is read only on each token's own groups
     m, n = _block_and_tile(NB, tl.cdiv(N, BN), GROUP_M)
     p = tl.load(bblock_ptr + m)
     if p < 0:
@@ -326,6 +384,9 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
     slots = m * BM + tl.arange(0, BM)
     tok = tl.load(sorted_ptr + slots)
     tvalid = tok < T
+    if UNION:
+        bt = tl.load(bucket_ptr + tok, mask=tvalid, other=0)
+        id_ok = (bt >= 0) & (bt < P)
     if COMPACT_A:
         a_rows = a_ptr + slots.to(tl.int64)[:, None] * stride_am
     else:
@@ -341,7 +402,10 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
             if COMPACT_A:
                 a = tl.load(a_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)              # [BM, BK]
             else:
-                a = tl.load(a_rows + (g * GS + kin)[None, :], mask=tvalid[:, None] & kv[None, :], other=0.0)
+                use = tvalid
+                if UNION:
+                    use = use & id_ok & (tl.load(protos_ptr + bt * G + g, mask=tvalid & id_ok, other=0) != 0)
+                a = tl.load(a_rows + (g * GS + kin)[None, :], mask=use[:, None] & kv[None, :], other=0.0)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + (g * GS + kin)[:, None] * stride_wk,
                         mask=kv[:, None] & cvalid[None, :], other=0.0)                                # [BK, BN]
             if UPCAST:
@@ -351,6 +415,8 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)[None, :]
     acc = tl.where(p == P, float("nan"), acc)  # bucket P: ids outside [0, P)
+    if UNION:
+        acc = tl.where(id_ok[:, None], acc, float("nan"))
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tvalid[:, None] & cvalid[None, :])
 
@@ -375,53 +441,94 @@ def bucket_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int
     return sorted_ids, block_bucket, proto_groups, proto_counts
 
 
+def union_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int, wrap: bool = False) -> tuple:
+    """The device-side lists of union_lists_ref (same outputs, T <= block_m), one program."""
+    T = bucket.shape[0]
+    P, G = protos.shape
+    dev = bucket.device
+    sorted_ids = alloc((block_m,), torch.int32, dev)
+    block_bucket = alloc((1,), torch.int32, dev)
+    proto_groups = alloc((1, G), torch.int32, dev)
+    proto_counts = alloc((1,), torch.int32, dev)
+    _launcher(_union_lists_kernel, wrap)[(1,)](
+        bucket.contiguous(), _as_uint8(protos), sorted_ids, block_bucket, proto_groups, proto_counts, T, P,
+        G=G, GP2=triton.next_power_of_2(G), BM=block_m)
+    return sorted_ids, block_bucket, proto_groups, proto_counts
+
+
+@dataclass(frozen=True)
+class BucketLists:
+    """What the GEMM kernels read: the token lists (bucket_lists_triton's or union_lists_triton's), P, and for
+    the union block the ids and prototypes (each token's own groups)."""
+    sorted_ids: torch.Tensor
+    block_bucket: torch.Tensor
+    proto_groups: torch.Tensor
+    proto_counts: torch.Tensor
+    P: int
+    union: bool
+    bucket: torch.Tensor
+    protos8: torch.Tensor
+
+    def args(self) -> tuple:
+        return (self.sorted_ids, self.block_bucket, self.proto_groups, self.proto_counts, self.bucket, self.protos8)
+
+
+def make_lists(bucket: torch.Tensor, protos: torch.Tensor, cfg: dict, wrap: bool = False) -> BucketLists:
+    """The union block for few tokens (uses_union), else the bucket lists."""
+    bucket, protos8 = bucket.contiguous(), _as_uint8(protos)
+    union = uses_union(bucket.shape[0], cfg)
+    build = union_lists_triton if union else bucket_lists_triton
+    return BucketLists(*build(bucket, protos8, cfg["block_m"], wrap),
+                       P=protos.shape[0], union=union, bucket=bucket, protos8=protos8)
+
+
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if (dtype == torch.float32 or interpreting()) else "tf32"
 
 
-def gather_n_triton(x, w1, w2, bias, out, lists: tuple, group_size: int, cfg: dict, *, gated: bool, scatter: bool,
-                    act: str = "silu", wrap: bool = False):
+def gather_n_triton(x, w1, w2, bias, out, lists: BucketLists, group_size: int, cfg: dict, *, gated: bool,
+                    scatter: bool, act: str = "silu", wrap: bool = False):
     """Launch _bucket_gather_n_kernel into `out`: [NB * BM, F] bucket-compact (scatter=False) or [T, F] full width
     (scatter=True: zeros on each token's inactive groups)."""
-    sorted_ids, block_bucket, proto_groups, proto_counts = lists
     T, D = x.shape
     F = w1.shape[0]
     w2 = w2 if w2 is not None else w1
-    _launcher(_bucket_gather_n_kernel, wrap)[(block_bucket.shape[0] * triton.cdiv(F, cfg["up_bn"]),)](
-        x, w1, w2, bias if bias is not None else w1, out, sorted_ids, block_bucket, proto_groups, proto_counts,
-        T, D, proto_counts.shape[0] - 1, block_bucket.shape[0], x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
-        w2.stride(0), w2.stride(1), out.stride(0),
-        G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["up_bn"], BK=cfg["up_bk"], GROUP_M=cfg["group_m"],
-        GATED=gated, HAS_BIAS=bias is not None, SCATTER=scatter, ACT=ACT_IDS[act], PREC=_prec(x.dtype),
-        UPCAST=_upcast(x.dtype), num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+    nb = lists.block_bucket.shape[0]
+    _launcher(_bucket_gather_n_kernel, wrap)[(nb * triton.cdiv(F, cfg["up_bn"]),)](
+        x, w1, w2, bias if bias is not None else w1, out, *lists.args(),
+        T, D, lists.P, nb, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1),
+        out.stride(0), G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["up_bn"], BK=cfg["up_bk"],
+        GROUP_M=cfg["group_m"], GATED=gated, HAS_BIAS=bias is not None, SCATTER=scatter, UNION=lists.union,
+        ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype), num_warps=cfg["up_warps"],
+        num_stages=cfg["up_stages"])
     return out
 
 
-def gather_k_triton(a, w, bias, lists: tuple, T: int, group_size: int, cfg: dict, *, compact_a: bool,
+def gather_k_triton(a, w, bias, lists: BucketLists, T: int, group_size: int, cfg: dict, *, compact_a: bool,
                     wrap: bool = False):
     """out [T, N] = each token's a over its prototype's groups @ w[:, those groups]^T (+ bias), w [N, K]; `a` is
     the bucket-compact h (compact_a) or a full-width [T, K] input."""
-    sorted_ids, block_bucket, proto_groups, proto_counts = lists
     N, K = w.shape
     out = alloc((T, N), a.dtype, a.device)
-    _launcher(_bucket_gather_k_kernel, wrap)[(block_bucket.shape[0] * triton.cdiv(N, cfg["dn_bn"]),)](
-        a, w, bias if bias is not None else w, out, sorted_ids, block_bucket, proto_groups, proto_counts,
-        T, N, proto_counts.shape[0] - 1, block_bucket.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+    nb = lists.block_bucket.shape[0]
+    _launcher(_bucket_gather_k_kernel, wrap)[(nb * triton.cdiv(N, cfg["dn_bn"]),)](
+        a, w, bias if bias is not None else w, out, *lists.args(),
+        T, N, lists.P, nb, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         G=K // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["dn_bn"], BK=cfg["dn_bk"], GROUP_M=cfg["group_m"],
-        COMPACT_A=compact_a, HAS_BIAS=bias is not None, PREC=_prec(a.dtype), UPCAST=_upcast(a.dtype),
-        num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+        COMPACT_A=compact_a, HAS_BIAS=bias is not None, UNION=lists.union, PREC=_prec(a.dtype),
+        UPCAST=_upcast(a.dtype), num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
     return out
 
 
-def gate_up_triton(x, w_gate, w_up, lists: tuple, group_size: int, act: str, cfg: dict, wrap: bool = False):
+def gate_up_triton(x, w_gate, w_up, lists: BucketLists, group_size: int, act: str, cfg: dict, wrap: bool = False):
     """The bucket-compact h [NB * BM, F] of the gate/up kernel: row r = the r-th entry of the sorted token list,
-    column block j = the j-th active group of the row's prototype (columns past its width are not written)."""
-    h = alloc((lists[1].shape[0] * cfg["block_m"], w_gate.shape[0]), x.dtype, x.device)
+    column block j = the j-th group of the row's block (columns past its width are not written)."""
+    h = alloc((lists.block_bucket.shape[0] * cfg["block_m"], w_gate.shape[0]), x.dtype, x.device)
     return gather_n_triton(x, w_gate, w_up, None, h, lists, group_size, cfg, gated=True, scatter=False, act=act,
                            wrap=wrap)
 
 
-def down_triton(h, w_down, lists: tuple, T: int, group_size: int, cfg: dict, wrap: bool = False):
+def down_triton(h, w_down, lists: BucketLists, T: int, group_size: int, cfg: dict, wrap: bool = False):
     """out [T, D]: each token's row of h @ W_down^T over its prototype's groups, stored at its position."""
     return gather_k_triton(h, w_down, None, lists, T, group_size, cfg, compact_a=True, wrap=wrap)
 
@@ -441,6 +548,6 @@ def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, 
     cfg = config_for(T, group_size, x.dtype, x.device, config)
     if T == 0:
         return alloc((T, D), x.dtype, x.device)
-    lists = bucket_lists_triton(bucket, protos, cfg["block_m"], wrap)
+    lists = make_lists(bucket, protos, cfg, wrap)
     h = gate_up_triton(x, w_gate, w_up, lists, group_size, act, cfg, wrap)
     return down_triton(h, w_down, lists, T, group_size, cfg, wrap)
