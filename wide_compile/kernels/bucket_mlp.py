@@ -15,14 +15,16 @@ Three launches, no host sync, every buffer a static function of (T, P, F) and th
    tokens by bucket (moe_align-style): each bucket's token list, in token order, padded to a multiple of BM
    with the sentinel T; the bucket of every block of BM entries (-1 past the end); per prototype its active
    group ids ascending (then the inactive ones) and their count. At most n_blocks(T, P, BM) blocks are used.
-2. ``_bucket_gate_up_kernel``: program (block, column tile of the bucket's compact width) gathers the
+2. ``_bucket_gather_n_kernel`` (gated): program (block, column tile of the bucket's compact width) gathers the
    block's x rows by token id and the gate/up weight rows of the prototype's groups, accumulates in fp32 and
    writes h = act(g) * u, rounded to x's dtype once, into the bucket-compact buffer H [n_blocks * BM, F]
    (column block j of a row = the j-th active group of its prototype). Programs past the width exit.
-3. ``_bucket_down_kernel``: program (block, tile of D) loops K over the prototype's active groups only
+3. ``_bucket_gather_k_kernel``: program (block, tile of D) loops K over the prototype's active groups only
    (H's compact columns, W_down's matching columns), fp32 accumulation, and stores each token's output row
    at its original position. Every token is in exactly one bucket, so every output element is written
    exactly once: no atomics, no zero fill; an all-off prototype writes exact zeros.
+The two GEMM kernels also serve the attention projections (bucket_attn.py: bias, q's scatter, o's gathered
+input).
 
 Few tokens (T <= union_max_t, a decode step) take one block instead ("union" lists, ``_union_lists_kernel``):
 all T tokens over the union of their prototypes' groups, each group's weights read once for every token, and
