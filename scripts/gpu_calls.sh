@@ -198,9 +198,9 @@ step() {
     timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
   bucket)
     mkdir -p "$OUT/bucket"
-    TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py 2>&1 \
+    TRITON_INTERPRET=0 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py 2>&1 \
       | tee "$OUT/bucket/kernel-tests-cuda.log" | tail -4
-    timeout 330 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
+    timeout 300 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
       > "$OUT/bucket/bench.log" 2>&1
     tail -40 "$OUT/bucket/bench.log" ;;
   e2e_attention)
