@@ -141,7 +141,7 @@ def time_variants(fns: dict, args, dry: bool) -> dict:
     return {v.name: v.summary() for v in vs}
 
 
-def bench(args, dry: bool) -> list:
+def bench(args, dry: bool, save=lambda rows: None) -> list:
     import torch
 
     dtype, device = (torch.float32, "cpu") if dry else (torch.bfloat16, "cuda")
@@ -159,6 +159,7 @@ def bench(args, dry: bool) -> list:
             print(f"T={T:5d} {name:22s} {t['median']:8.4f} ms  p10 {t['p10']:8.4f}  p90 {t['p90']:8.4f}  "
                   f"{base / t['median']:5.2f}x  capacity {info['capacity']:.3f}", flush=True)
         rows += [dict(T=T, **r, **shape) for r in failed]
+        save(rows)  # after every T: a run cut short keeps the rows it has
         del w, fns
     return rows
 
@@ -213,19 +214,24 @@ def main(argv=None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("bench_bucket_mlp.py times CUDA kernels: run it on a GPU, or pass --dry-run on a CPU")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(args.ts))
-    rows = bench(args, args.dry_run)
     info = dict(device="cpu (dry run, Triton interpreter)" if args.dry_run else torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
                 command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)),
                 timing=("wall time of eager calls (dry run)" if args.dry_run else
                         f"CUDA graph replay of one call, CUDA events per replay, variants interleaved for "
                         f"{args.rounds} rounds of about {args.target_s} s each"))
-    out = dict(rows=rows, **info)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bucket-mlp.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    with open(os.path.join(args.out, "bucket-mlp.md"), "w") as f:
-        f.write(markdown(out))
+
+    def save(rows: list) -> dict:
+        out = dict(rows=rows, **info)
+        with open(os.path.join(args.out, "bucket-mlp.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        with open(os.path.join(args.out, "bucket-mlp.md"), "w") as f:
+            f.write(markdown(out))
+        return out
+
+    rows = bench(args, args.dry_run, save)
+    out = save(rows)
     print(f"wrote {len(rows)} rows to {args.out}/bucket-mlp.json and .md")
     return out
 
