@@ -45,6 +45,9 @@
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
+#   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
+#                          the MLP-block table against dense / static / free masks with its tile sweep into
+#                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
 #   e2e_attention_gqa      the decode rows of e2e_attention with --attention gqa_decode: dense and static decode
 #                          through the same kernel with every head on (the strong dense baseline)
 #   e2e_attention          the attention ops under torch.compile (their tests), then end to end with attention over
@@ -196,6 +199,13 @@ step() {
       tests/test_kernel_attn_decode.py 2>&1 | tail -4
     timeout 230 python3 benchmarks/bench_attention.py --what prefill --sweep --out "$OUT/attn-prefill.json" | tail -6
     timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
+  bucket)
+    mkdir -p "$OUT/bucket"
+    TRITON_INTERPRET=0 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py 2>&1 \
+      | tee "$OUT/bucket/kernel-tests-cuda.log" | tail -4
+    timeout 300 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
+      > "$OUT/bucket/bench.log" 2>&1
+    tail -40 "$OUT/bucket/bench.log" ;;
   e2e_attention)  # first the ops under torch.compile alone (a kernel that Inductor cannot compile fails here, fast)
     TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k torch_compile \
       tests/test_kernel_attn_prefill.py tests/test_kernel_attn_decode.py 2>&1 | tail -4

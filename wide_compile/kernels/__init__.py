@@ -8,12 +8,18 @@ Public API (each backed by a ``torch.ops.wide.*`` op; group_size = channels / q 
     mask_reorder(mask, block_m)
     wide_attn_prefill(q, k, v, mask, group_size, window=None, scale=None)   # attention over active head groups
     wide_attn_decode(q, k, v, head_mask, group_size, key_mask=None, scale=None)  # decode: active KV heads only
+    # structured (codebook / nested) masks, tokens sorted by prototype; mask = protos[bucket]:
+    wide_mlp_bucket(x, w_gate, w_up, w_down, bucket, protos, group_size)
+    wide_q_proj_bucket(x, w_q, b_q, bucket, protos, group_size)
+    wide_o_proj_bucket(a, w_o, b_o, bucket, protos, group_size)
 
 `tuning` is the tile table (tuning.KernelTuning; None = the device's table in configs/).
 """
 from .ops import wide_mlp, wide_q_proj, wide_o_proj, mask_reorder  # noqa: F401
 from .attn_ops import wide_attn_decode, wide_attn_prefill  # noqa: F401
+from .bucket_ops import wide_mlp_bucket, wide_o_proj_bucket, wide_q_proj_bucket  # noqa: F401
 from . import reference  # noqa: F401
 from .tuning import KernelTuning  # noqa: F401
 
-__all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "wide_attn_prefill", "wide_attn_decode", "reference", "KernelTuning"]
+__all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "wide_attn_prefill", "wide_attn_decode",
+           "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket", "reference", "KernelTuning"]

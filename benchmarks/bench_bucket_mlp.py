@@ -1,0 +1,240 @@
+"""The MLP block with structured masks (wide.mlp_bucket) against dense, static half width and free masks.
+
+    python benchmarks/bench_bucket_mlp.py --out DIR [--ts 1 16 2048 8192] [--sweep] [--dense-mode default]
+    python benchmarks/bench_bucket_mlp.py --out DIR --dry-run     # tiny shapes, CPU, Triton interpreter
+
+Shape: the Llama-3.1-8B MLP (D 4096, F 14336, bf16, FFN groups of 64 channels, G = 224), capacity 0.5.
+Variants, per token count T, all from one interleaved run:
+  dense            torch.compile'd F.linear triple with silu * mul (--dense-mode: Inductor's mode)
+  static           the same on the first F/2 channels (a statically pruned model)
+  free             torch.ops.wide.mlp with iid Bernoulli(capacity) masks per (token, group)
+  bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each an iid Bernoulli(capacity) subset, each token's
+                   prototype uniform at random
+  bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
+  (T <= 16 runs as one block over the union of the tokens' prototypes; see bucket_mlp's docstring.)
+  --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase] (a candidate that fails is a row with its
+  error).
+Each WIDE variant is checked against its PyTorch reference before timing (relative L2 <= 2e-2, bf16). Each
+callable is captured in a CUDA graph (benchmarks/e2e/timing.cuda_graph_step); the replays are timed with CUDA
+events per replay in interleaved rounds (e2e/timing.time_interleaved); a row has the median, p10 and p90 of the
+replays and the ratio dense median / variant median. Writes DIR/bucket-mlp.json and DIR/bucket-mlp.md (command,
+GPU, software, date). --dry-run times eager calls on the CPU, the WIDE kernels through the Triton interpreter:
+a check that the script runs, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPE_8B = dict(D=4096, F=14336, group_size=64)
+SHAPE_DRY = dict(D=32, F=128, group_size=16)
+TOL = 2e-2
+
+
+def nested_protos(P: int, G: int):
+    """[P, G] bool prefixes of widths round((l + 1/2) G / P): mean width G / 2 over uniform levels."""
+    import torch
+
+    widths = ((torch.arange(P, dtype=torch.float64) + 0.5) * G / P).round().long()
+    return torch.arange(G)[None, :] < widths[:, None]
+
+
+def make_inputs(T: int, shape: dict, P: int, capacity: float, dtype, device, gen) -> dict:
+    import torch
+
+    D, Fi, gs = shape["D"], shape["F"], shape["group_size"]
+    G = Fi // gs
+    r = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to(device, dtype)  # noqa: E731
+    w = dict(x=torch.randn(T, D, generator=gen).to(device, dtype), wg=r(Fi, D), wu=r(Fi, D), wd=r(D, Fi))
+    w["wd_t"] = w["wd"].t().contiguous()                       # wide.mlp's layout (down_proj.weight.T)
+    h = Fi // 2
+    w.update(wg_half=w["wg"][:h].contiguous(), wu_half=w["wu"][:h].contiguous(), wd_half=w["wd"][:, :h].contiguous())
+    w["free_mask"] = (torch.rand(T, G, generator=gen) < capacity).to(device)
+    w["codebook"] = (torch.rand(P, G, generator=gen) < capacity).to(device)
+    w["nested"] = nested_protos(P, G).to(device)
+    w["bucket"] = torch.randint(0, P, (T,), generator=gen, dtype=torch.int32).to(device)
+    return w
+
+
+def dense_mlp(x, wg, wu, wd):
+    import torch.nn.functional as F
+
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, list]:
+    """({name: callable}, {name: row fields}, failed rows) for one T; WIDE callables checked first."""
+    import torch
+    from wide_compile.kernels import bucket_mlp as BK
+    from wide_compile.kernels import reference as R
+
+    gs = shape["group_size"]
+    comp = (lambda f: f) if dry else (lambda f: torch.compile(f, mode=args.dense_mode, dynamic=False))
+    dense, static = comp(dense_mlp), comp(dense_mlp)
+    fns = {"dense": lambda: dense(w["x"], w["wg"], w["wu"], w["wd"]),
+           "static": lambda: static(w["x"], w["wg_half"], w["wu_half"], w["wd_half"])}
+    meta = {"dense": dict(capacity=1.0), "static": dict(capacity=0.5)}
+    if dry:  # the CPU would dispatch the ops to their references: call the Triton launchers (interpreter)
+        from wide_compile.kernels.compact_mlp import mlp_triton
+
+        free = lambda: mlp_triton(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs)  # noqa: E731
+    else:
+        def free():
+            return torch.ops.wide.mlp(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs, "", "silu")
+    ref = R.mlp_ref(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs)
+    fns["free"], meta["free"] = free, dict(capacity=w["free_mask"].float().mean().item(), rel_l2=rel(free(), ref))
+    cands = [("bucket_codebook", "codebook", None), ("bucket_nested", "nested", None)]
+    if args.sweep:
+        cands += [(f"bucket_codebook_{i}", "codebook", c) for i, c in enumerate(BK.SWEEP[BK.phase(len(w["x"]))])]
+    failed = []
+    for name, kind, cfg in cands:
+        protos = w[kind]
+
+        def fn(p=protos, c=cfg):
+            if dry:
+                return BK.mlp_bucket_triton(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], p, gs, config=c)
+            return torch.ops.wide.mlp_bucket(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], p, gs, "silu",
+                                             json.dumps(c, sort_keys=True) if c else "")
+        cap = protos[w["bucket"].long()].float().mean().item()
+        info = dict(capacity=cap, prototypes=protos.shape[0], structure=kind,
+                    config=BK.config_for(len(w["x"]), gs, w["x"].dtype, w["x"].device, cfg))
+        try:
+            info["rel_l2"] = rel(fn(), BK.mlp_bucket_ref(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], protos, gs))
+        except Exception as e:  # a swept tile that does not fit this GPU is a row, not the end of the run
+            if cfg is None:
+                raise
+            failed.append(dict(variant=name, error=repr(e)[:300], **info))
+            continue
+        fns[name], meta[name] = fn, info
+    bad = {n: m["rel_l2"] for n, m in meta.items() if m.get("rel_l2", 0) > TOL}
+    if bad:
+        raise AssertionError(f"bench_bucket_mlp: relative L2 error above {TOL} against the reference: {bad}")
+    return fns, meta, failed
+
+
+def time_variants(fns: dict, args, dry: bool) -> dict:
+    """{name: {median, p10, p90, n, min}} (ms), variants interleaved; CUDA-graph replays on the GPU."""
+    from benchmarks.e2e.timing import Variant, cuda_graph_step, time_interleaved, warmup
+
+    device = "cpu" if dry else "cuda"
+    vs, keep = [], []
+    for name, fn in fns.items():
+        if dry:
+            step = fn
+        else:
+            step, g = cuda_graph_step(fn, None)
+            keep.append(g)
+        v = Variant(name, step)
+        warmup(v, device, n=1 if dry else 3)
+        vs.append(v)
+    time_interleaved(vs, device, rounds=args.rounds, target_s=args.target_s)
+    return {v.name: v.summary() for v in vs}
+
+
+def bench(args, dry: bool, save=lambda rows: None) -> list:
+    import torch
+
+    dtype, device = (torch.float32, "cpu") if dry else (torch.bfloat16, "cuda")
+    shape = SHAPE_DRY if dry else SHAPE_8B
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for T in args.ts:
+        w = make_inputs(T, shape, args.prototypes, args.capacity, dtype, device, gen)
+        fns, meta, failed = variants_for(w, shape, args, dry)
+        times = time_variants(fns, args, dry)
+        base = times["dense"]["median"]
+        for name, info in meta.items():
+            t = times[name]
+            rows.append(dict(variant=name, T=T, ms=t, speedup_vs_dense=base / t["median"], **info, **shape))
+            print(f"T={T:5d} {name:22s} {t['median']:8.4f} ms  p10 {t['p10']:8.4f}  p90 {t['p90']:8.4f}  "
+                  f"{base / t['median']:5.2f}x  capacity {info['capacity']:.3f}", flush=True)
+        rows += [dict(T=T, **r, **shape) for r in failed]
+        save(rows)  # after every T: a run cut short keeps the rows it has
+        del w, fns
+    return rows
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# wide.mlp_bucket, MLP block ({out['device']})", "",
+             f"command: `{out['command']}`  ", f"date: {out['date']}, torch {out['torch']}, triton {out['triton']}  ",
+             f"timing: {out['timing']}", "",
+             "| T | variant | capacity | median ms | p10 | p90 | vs dense |", "|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['T']} | {r['variant']} | - | failed: {r['error'][:80]} | | | |")
+            continue
+        m = r["ms"]
+        lines.append(f"| {r['T']} | {r['variant']} | {r['capacity']:.3f} | {m['median']:.4f} | {m['p10']:.4f} | "
+                     f"{m['p90']:.4f} | {r['speedup_vs_dense']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for bucket-mlp.json and bucket-mlp.md")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU under the Triton interpreter (a check that this script runs)")
+    ap.add_argument("--ts", nargs="+", type=int, default=None, help="token counts (default 1 16 2048 8192)")
+    ap.add_argument("--capacity", type=float, default=0.5, help="share of active (token, group) pairs")
+    ap.add_argument("--prototypes", type=int, default=None, help="P, prototypes per layer (default 16; dry run 4)")
+    ap.add_argument("--dense-mode", default="default",
+                    help="torch.compile mode of dense and static (e.g. max-autotune-no-cudagraphs)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; dry run 1)")
+    ap.add_argument("--target-s", type=float, default=None, help="timed seconds per variant (default 1; dry 0.01)")
+    ap.add_argument("--sweep", action="store_true", help="also time bucket_mlp.SWEEP's tile configs")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    args.ts = args.ts or ([1, 17] if dry else [1, 16, 2048, 8192])
+    args.prototypes = args.prototypes or (4 if dry else 16)
+    args.rounds = args.rounds or (1 if dry else 5)
+    args.target_s = args.target_s or (0.01 if dry else 1.0)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.dry_run:  # before anything imports triton: the kernels then run on the CPU interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+
+    import wide_compile.kernels  # noqa: F401  (registers torch.ops.wide.*)
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("bench_bucket_mlp.py times CUDA kernels: run it on a GPU, or pass --dry-run on a CPU")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(args.ts))
+    info = dict(device="cpu (dry run, Triton interpreter)" if args.dry_run else torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
+                command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)),
+                timing=("wall time of eager calls (dry run)" if args.dry_run else
+                        f"CUDA graph replay of one call, CUDA events per replay, variants interleaved for "
+                        f"{args.rounds} rounds of about {args.target_s} s each"))
+    os.makedirs(args.out, exist_ok=True)
+
+    def save(rows: list) -> dict:
+        out = dict(rows=rows, **info)
+        with open(os.path.join(args.out, "bucket-mlp.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        with open(os.path.join(args.out, "bucket-mlp.md"), "w") as f:
+            f.write(markdown(out))
+        return out
+
+    rows = bench(args, args.dry_run, save)
+    out = save(rows)
+    print(f"wrote {len(rows)} rows to {args.out}/bucket-mlp.json and .md")
+    return out
+
+
+if __name__ == "__main__":
+    main()
