@@ -39,10 +39,11 @@ class PassManager:
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
-            geometry: GroupGeometry | None = None, kernel_tuning: str = "") -> PassContext:
+            geometry: GroupGeometry | None = None, kernel_tuning: str = "", kernel_path: str = "auto",
+            mask_stats=None) -> PassContext:
         t0 = time.perf_counter()
         ctx = PassContext(gm, example_inputs, routers=routers, strict=strict, geometry=geometry,
-                          kernel_tuning=kernel_tuning)
+                          kernel_tuning=kernel_tuning, kernel_path=kernel_path, mask_stats=mask_stats)
         ctx.report.nodes_before = len(gm.graph.nodes)
         ctx.report.ops_before = op_counts(gm)
         for p in self.passes:
@@ -112,8 +113,10 @@ def _summarise(ctx: PassContext) -> None:
             detail = f"G={m.groups} x {m.group_size} channels, {m.activation} gate, {m.form} input"
         if m.reason:
             detail += ("; " if detail else "") + m.reason
+        if m.paths:
+            detail += "; path: " + ", ".join(str(d) for d in m.paths.values())
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
-                      "activation": m.activation,
+                      "activation": m.activation, "paths": {k: d.path for k, d in m.paths.items()},
                       "group_size": m.group_size, "detail": detail,
                       "nodes": {k: getattr(m, k).name for k in ("gate", "up", "down")}})
     for a in ctx.attns:
@@ -130,7 +133,10 @@ def _summarise(ctx: PassContext) -> None:
             detail += f"; attention dense ({a.sdpa_reason})"
         if a.reason:
             detail += "; " + a.reason
+        if a.paths:
+            detail += "; paths: " + ", ".join(str(d) for d in a.paths.values())
         r.attn.append({"layer": a.layer, "status": a.status, "form": a.form, "groups": a.groups,
+                       "paths": {k: d.path for k, d in a.paths.items()},
                        "group_size": a.group_size, "detail": detail, "q_rewritten": a.status == "rewritten" and a.q_ok,
                        "nodes": {"q": a.q.name, "o": a.o.name, "kv": [n.name for n in a.kv]}})
     forms = {m.form for m in ctx.mlps} | {a.form for a in ctx.attns}
