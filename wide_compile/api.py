@@ -60,6 +60,10 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
+    from .passes.cost_model import KERNEL_PATHS
+
+    if options.get("kernel_path", "auto") not in KERNEL_PATHS:  # a bad choice fails here, not in a compile
+        raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {options['kernel_path']!r}")
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 
@@ -100,10 +104,6 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     backend_opts["report"] = reports.append
     if backend_opts.get("mask_stats") is None:  # the cost model's mask density: the routers' target capacity
         backend_opts["mask_stats"] = (routers if routers is not None else attached_routers(model)).cfg.capacity
-    from .passes.cost_model import KERNEL_PATHS
-
-    if backend_opts.get("kernel_path", "auto") not in KERNEL_PATHS:  # a bad choice fails here, not in a compile
-        raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {backend_opts['kernel_path']!r}")
     backend_opts["geometry"] = GroupGeometry.from_routers(routers if routers is not None else attached_routers(model))
     object.__setattr__(model, "_wide_reports", reports)
     gen_cfg = getattr(model, "generation_config", None)
