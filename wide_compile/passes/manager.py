@@ -18,24 +18,28 @@ from ._graph import describe, is_call, is_linear, is_mul, linear_parts, match_gr
 from .base import Pass, PassContext, counters, log, op_counts
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
+from .fuse_norm_router import FuseNormRouter
 from .insert_routers import InsertRouters
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
 
 
-def default_passes(sparse_attention: bool = False) -> list[Pass]:
+def default_passes(sparse_attention: bool = False, fuse_norm_router: bool = False) -> list[Pass]:
     """The WIDE passes in order; `sparse_attention` adds rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill), which is opt-in until its compiled GPU path is verified
-    (benchmarks/results/attention/README.md)."""
+    (benchmarks/results/attention/README.md); `fuse_norm_router` adds fuse_norm_router (each block's RMSNorm
+    and router in one wide.rmsnorm_router launch), opt-in until scripts/gpu_calls.sh's `lean` step has timed
+    and checked it compiled. It runs last: the earlier passes hold the mask nodes it replaces."""
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention()]
-    return passes + [RewriteSDPA()] if sparse_attention else passes
+    passes += [RewriteSDPA()] if sparse_attention else []
+    return passes + [FuseNormRouter()] if fuse_norm_router else passes
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool = False):
-        self.passes = list(passes) if passes is not None else default_passes(sparse_attention)
+                 sparse_attention: bool = False, fuse_norm_router: bool = False):
+        self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
