@@ -190,3 +190,20 @@ def test_unknown_kernel_path_is_one_clear_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="kernel_path must be one of"):
         wc.optimize(model, wc.Routers.init(model, CFG), kernel_path="fast")
+
+
+def test_bench_e2e_paths_column():
+    """bench_e2e's "WIDE path (cost model)" column: the paths of the compiled graphs' report, per op."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from e2e.report import COLS
+    from e2e.variants import paths_summary
+
+    model = tiny_model("llama")
+    wc.attach(model, wc.Routers.init(model, CFG, seed=1))
+    (gm, ex), = capture(model, input_ids=torch.randint(0, 128, (1, 1)))
+    ctx = PassManager().run(gm, ex, mask_stats=0.5, kernel_path="dense")
+    assert paths_summary([ctx.report]) == "mlp dense_masked; q dense_masked; o dense_masked"
+    assert ("wide_paths", "WIDE path (cost model)") in COLS

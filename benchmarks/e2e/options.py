@@ -80,6 +80,8 @@ class BenchOptions:
     kernel_config: str | None = None
     attention: str = "sdpa"
     sparse_attention: bool = False
+    kernel_path: str = "auto"
+    fuse_norm_router: bool = False
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -266,6 +268,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "queries and keys have the same length (unpadded prefill; e2e/attention.py)")
     p.add_argument("--sparse-attention", action="store_true",
                    help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True))")
+    p.add_argument("--kernel-path", default="auto", choices=("auto", "table", "dense", "compact"),
+                   help="the path of each routed projection (optimize(..., kernel_path=)): the cost model's choice "
+                        "per token count (auto), the tuning table's, or forced dense-masked / compact; the choice "
+                        "per row is the table's path column")
+    p.add_argument("--fuse-norm-router", action="store_true",
+                   help="each block's RMSNorm and router in one launch (optimize(..., fuse_norm_router=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

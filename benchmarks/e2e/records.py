@@ -8,7 +8,7 @@ import dataclasses
 from . import report as R
 from .timing import Variant
 
-INFO_FIELDS = ("mode", "cuda_graph", "entry", "cuda_graph_error")  # Variant.info keys copied into the record
+INFO_FIELDS = ("mode", "cuda_graph", "entry", "cuda_graph_error", "paths")  # Variant.info keys copied into the record
 # dense variants a record always names (None when not timed)
 ALWAYS = ("eager_dense", "dense_max_autotune", "dense_inductor_cg", "trt")
 
@@ -24,7 +24,8 @@ def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, 
     return {"model": model, "layers": layers, "weights": weights, "phase": phase,
             "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks,
             "router_dtype": options.router_dtype, "kernel_config": options.kernel_config,
-            "attention": options.attention, "sparse_attention": options.sparse_attention}
+            "attention": options.attention, "sparse_attention": options.sparse_attention,
+            "kernel_path": options.kernel_path, "fuse_norm_router": options.fuse_norm_router}
 
 
 @dataclasses.dataclass

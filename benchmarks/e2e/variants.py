@@ -94,13 +94,45 @@ def build_static(w: "Workload", row: Row) -> Built:
             {"mode": "reduce-overhead", "_keep": sm})
 
 
-def compile_wide(wide_model, routers, options, **kw):
-    """The WIDE model compiled the way --wide-entry says (routers already attached for "backend")."""
+def paths_summary(reports) -> str:
+    """The path each routed op runs, over the layers of the compiled graphs: "mlp gather+kskip; q gather;
+    o dense_masked" (with counts where layers differ)."""
+    from collections import Counter
+
+    by_op: dict = {}
+    for rep in reports:
+        for d in [*rep.mlp, *rep.attn]:
+            for op, path in (d.get("paths") or {}).items():
+                by_op.setdefault(op, Counter())[path] += 1
+    parts = []
+    for op in ("mlp", "q", "o"):
+        c = by_op.get(op)
+        if c:
+            parts.append(f"{op} " + (next(iter(c)) if len(c) == 1 else ", ".join(f"{p} x{n}" for p, n in c.items())))
+    return "; ".join(parts)
+
+
+def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
+    """The WIDE model compiled the way --wide-entry says (routers already attached for "backend"). The cost model
+    assumes masks of density `capacity`; the paths it picks go to info["paths"] when the model compiles."""
     import torch
 
     kc = kernel_config(options)
+    reports: list = []
+
+    def report(rep):
+        reports.append(rep)
+        if info is not None:
+            info["paths"] = paths_summary(reports) + (" + fused norm/router" if rep.counts.get(
+                "fuse_norm_router.fused") else "")
+
     own = {**({"kernel_config": kc} if kc else {}),
            **({"sparse_attention": True} if options.sparse_attention else {})}
+    if options.wide_entry == "optimize" or options.wide_backend == "wide":  # the project's backend's own options
+        own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
+                   fuse_norm_router=options.fuse_norm_router)
+        if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
+            own["report"] = report
     if options.wide_entry == "optimize":
         import wide_compile as wc
 
@@ -112,18 +144,21 @@ def compile_wide(wide_model, routers, options, **kw):
 def build_wide(w: "Workload", row: Row) -> Built:
     o = w.options
     inductor_graphs = w.phase == "decode" and w.cuda and o.wide_decode_mode == "reduce-overhead"
-    step = w.step_of(compile_wide(w.wide_model, row.routers, o,
+    info = {"entry": o.wide_entry}  # "paths" arrives when the model compiles (its first call)
+    step = w.step_of(compile_wide(w.wide_model, row.routers, o, capacity=row.capacity, info=info,
                                   **({"mode": "reduce-overhead"} if inductor_graphs else {})))
     if inductor_graphs:
-        return step, w.cudagraph_tree_reset(), {"entry": o.wide_entry, "mode": "reduce-overhead"}
+        info["mode"] = "reduce-overhead"
+        return step, w.cudagraph_tree_reset(), info
     if w.phase == "decode" and o.wide_decode_mode == "manual-graph":
         try:
-            return w.graphed(step, w.reset, {"entry": o.wide_entry})
+            return w.graphed(step, w.reset, info)
         except Exception as e:  # noqa: BLE001  time it without graphs and say why
             w.log(f"    wide: CUDA-graph capture failed ({type(e).__name__}: {str(e)[:200]}); timing without graphs")
             w.free()
-            return step, w.reset, {"entry": o.wide_entry, "cuda_graph": False, "cuda_graph_error": str(e)[:300]}
-    return step, w.reset, {"entry": o.wide_entry}
+            info.update(cuda_graph=False, cuda_graph_error=str(e)[:300])
+            return step, w.reset, info
+    return step, w.reset, info
 
 
 def build_wide_eager(w: "Workload", row: Row) -> Built:
