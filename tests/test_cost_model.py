@@ -19,6 +19,11 @@ from wide_compile.passes import cost_model as cm  # noqa: E402
 
 from test_passes_models import CFG, capture, run_logits  # noqa: E402
 
+# the kernel cases run under the interpreter on the CPU, compiled on a CUDA GPU with TRITON_INTERPRET=0
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+needs_dev = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
+                               reason="compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+
 # a synthetic Hopper-like device: round ceilings, cuBLAS and the gather kernel at the same bandwidth share
 DEVICE = cm.DeviceCost("synthetic", hbm_bytes_per_s=4e12, matmul_flop_per_s=800e12, launch_s=2e-6,
                        efficiency={"gemm": {"bandwidth": 0.7, "flops": 0.9},
@@ -126,7 +131,7 @@ def _mask(T, G, density, gen):
 
 
 def _forced(op, name, T, gs):
-    base = table_for()
+    base = table_for(DEV)
     return KernelTuning(base.device, ((1, {**base.row(T, gs), **cm.PATH_FIELDS[op][name]}),))
 
 
@@ -134,6 +139,7 @@ def _rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+@needs_dev
 @pytest.mark.parametrize("T,density", [(1, 0.5), (5, "one"), (19, 0.3), (7, 1.0), (3, 0.0)])
 @pytest.mark.parametrize("name", list(cm.PATH_FIELDS["mlp"]))
 def test_every_mlp_path_matches_the_reference(name, T, density):
@@ -141,11 +147,12 @@ def test_every_mlp_path_matches_the_reference(name, T, density):
     D, G, gs = 24, 3, 16
     x, wg, wu = torch.randn(T, D, generator=gen), torch.randn(G * gs, D, generator=gen), torch.randn(G * gs, D, generator=gen)
     wd, m = torch.randn(G * gs, D, generator=gen), _mask(T, G, density, gen)
-    out = mlp_triton(x, wg, wu, wd, m, gs, tuning=_forced("mlp", name, T, gs))
+    out = mlp_triton(*(t.to(DEV) for t in (x, wg, wu, wd, m)), gs, tuning=_forced("mlp", name, T, gs)).cpu()
     ref = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs)
     assert _rel(out, ref) <= 1e-4 if density != 0.0 else out.abs().max() == 0
 
 
+@needs_dev
 @pytest.mark.parametrize("T,density", [(1, 0.5), (6, "one"), (18, 0.5)])
 @pytest.mark.parametrize("op,name", [(op, n) for op in ("q", "o") for n in cm.PATH_FIELDS[op]])
 def test_every_attention_projection_path_matches_the_reference(op, name, T, density):
@@ -155,11 +162,13 @@ def test_every_attention_projection_path_matches_the_reference(op, name, T, dens
     tuning = _forced(op, name, T, gs)
     if op == "q":
         x, w, b = torch.randn(T, D, generator=gen), torch.randn(G * gs, D, generator=gen), torch.randn(G * gs, generator=gen)
-        out, ref = q_proj_triton(x, w, b, m, gs, tuning=tuning), R.q_proj_ref(x.double(), w.double(), b.double(), m, gs)
+        out = q_proj_triton(*(t.to(DEV) for t in (x, w, b, m)), gs, tuning=tuning)
+        ref = R.q_proj_ref(x.double(), w.double(), b.double(), m, gs)
     else:
         a, w, b = torch.randn(T, G * gs, generator=gen), torch.randn(G * gs, D, generator=gen), torch.randn(D, generator=gen)
-        out, ref = o_proj_triton(a, w, b, m, gs, tuning=tuning), R.o_proj_ref(a.double(), w.double(), b.double(), m, gs)
-    assert _rel(out, ref) <= 1e-4
+        out = o_proj_triton(*(t.to(DEV) for t in (a, w, b, m)), gs, tuning=tuning)
+        ref = R.o_proj_ref(a.double(), w.double(), b.double(), m, gs)
+    assert _rel(out.cpu(), ref) <= 1e-4
 
 
 # ------------------------------------------------------------------ the pass records and applies its choice

@@ -14,7 +14,7 @@ from pathlib import Path
 from wide_compile.helpfmt import HelpFormatter
 
 from .attention import ATTENTIONS
-from .variants import VARIANTS
+from .variants import OPT_IN, VARIANTS
 
 MODELS = ("llama-3.1-8b", "llama-3.2-3b", "smollm2-135m")
 SMOKE_MODEL = "tiny"  # --smoke: the CPU test shape of e2e/models.SHAPES
@@ -100,7 +100,7 @@ class BenchOptions:
         for k, v in (("prefill_tokens", [2048]), ("prefill_batch", [1]), ("decode_ctx", [1024]),
                      ("decode_batch", [1]), ("capacities", [0.5, 1.0])):  # the goal rows first
             self._default(k, v)
-        self._default("variants", [v for v in VARIANTS if v != "max_autotune"])
+        self._default("variants", [v for v in VARIANTS if v != "max_autotune" and v not in OPT_IN])
         self._default("time_budget_s", 240.0)
         self.target_s = min(self.target_s, 0.6)
 
@@ -125,7 +125,7 @@ class BenchOptions:
             self._apply_smoke()
         for k, v in DEFAULTS.items():
             self._default(k, list(v))
-        self._default("variants", list(VARIANTS))
+        self._default("variants", [v for v in VARIANTS if v not in OPT_IN])
         self.models = self.models or list(MODELS)
         self.device = self.device or ("cuda" if cuda_available else "cpu")
         self.name = self.name or ("e2e-smoke" if self.smoke else "e2e-h200")

@@ -54,6 +54,7 @@ class RowResult:
     recompiled: bool = False
     profile: dict | None = None
     extras: dict = dataclasses.field(default_factory=dict)  # record key -> WorkloadExtra
+    wide_variants: dict = dataclasses.field(default_factory=dict)  # wide_table / wide_fused -> Variant
     shared_measurement: bool = False                       # capacity 1.0: one measurement, every mask kind
 
 
@@ -151,6 +152,10 @@ def fill(rec: dict, res: RowResult, mask_model: dict | None = None) -> dict:
     put_static(rec, res)
     put_variant(rec, "wide", res.wide)
     put_variant(rec, "wide_eager", res.wide_eager)
+    for key, v in res.wide_variants.items():  # the other WIDE configurations, as ratios to dense Inductor
+        ms = put_variant(rec, key, v)
+        ref = rec.get("dense_inductor_ms")
+        rec[f"{key}_speedup"] = round(ref / ms, 4) if ms and ref else None
     put_ratios(rec)
     put_row_facts(rec, res, mask_model)
     return rec

@@ -10,6 +10,9 @@ VariantSpec), so adding a variant is one function and one entry.
   static        a physically smaller model of the same FLOP capacity (fewer q heads, narrower FFN) under
                 Inductor, same mode as `inductor`: the ceiling for dynamic routing
   wide          torch.compile(model, backend="wide") with routers attached (decode: + manual CUDA graph)
+  wide_table    wide with every op on the tuning table's path (kernel_path="table"), beside wide's cost-model
+                choice in the same run
+  wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -141,8 +144,8 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
                          **({"options": own} if own else {}), **kw)
 
 
-def build_wide(w: "Workload", row: Row) -> Built:
-    o = w.options
+def build_wide(w: "Workload", row: Row, **override) -> Built:
+    o = dataclasses.replace(w.options, **override) if override else w.options
     inductor_graphs = w.phase == "decode" and w.cuda and o.wide_decode_mode == "reduce-overhead"
     info = {"entry": o.wide_entry}  # "paths" arrives when the model compiles (its first call)
     step = w.step_of(compile_wide(w.wide_model, row.routers, o, capacity=row.capacity, info=info,
@@ -181,6 +184,14 @@ def _wide_why_not(w: "Workload") -> str | None:
     return wide_backend_status(w.options.wide_backend)
 
 
+def build_wide_table(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, kernel_path="table")
+
+
+def build_wide_fused(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, fuse_norm_router=True)
+
+
 VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("eager", "eager_dense", "workload", build_eager),
     VariantSpec("inductor", "dense_inductor", "row", build_inductor),
@@ -190,8 +201,12 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
                 applies=lambda w: w.phase == "decode", why_not=_cg_why_not),
     VariantSpec("static", "static", "capacity", build_static),
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
+    VariantSpec("wide_table", "wide_table", "routers", build_wide_table, why_not=_wide_why_not),
+    VariantSpec("wide_fused", "wide_fused", "routers", build_wide_fused, why_not=_wide_why_not),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
+# timed only when --variants names them (each is one more WIDE compile per row)
+OPT_IN = ("wide_table", "wide_fused")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")
