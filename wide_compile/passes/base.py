@@ -75,6 +75,7 @@ class MLPMatch(_BlockForm):
     up_src: tuple | None = None
     activation: str = "silu"             # the gate's activation (kernels.reference.ACTIVATIONS)
     paths: dict = field(default_factory=dict)  # op -> cost_model.Decision of its rewritten op
+    router_fused: bool = False           # its norm and router run as one wide.rmsnorm_router (fuse_norm_router)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class AttnMatch(_BlockForm):
     sdpa_kind: str = ""                  # "decode" / "prefill" once sdpa runs a wide.attn_* op (rewrite_sdpa)
     sdpa_reason: str = ""                # why sdpa stayed dense in a rewritten block
     paths: dict = field(default_factory=dict)  # "q" / "o" -> cost_model.Decision of its rewritten op
+    router_fused: bool = False
 
 
 @dataclass

@@ -171,7 +171,7 @@ class FuseNormRouter(Pass):
             mask = ctx.weights.call(operator.getitem, (fused, 1))
         norm.replace_all_uses_with(y)
         blk.mask.replace_all_uses_with(mask)
-        old_mask, blk.mask, blk.x = blk.mask, mask, y
+        old_mask, blk.mask, blk.x, blk.router_fused = blk.mask, mask, y, True
         erase_unused(ctx.gm, [old_mask, *nodes, norm, *self._norm_nodes(norm, h)])
         log.info("wide: layer %d: %s router (%s) fused into its RMSNorm -> wide.rmsnorm_router", blk.layer, kind,
                  router_input)

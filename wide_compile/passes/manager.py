@@ -119,6 +119,8 @@ def _summarise(ctx: PassContext) -> None:
             detail += ("; " if detail else "") + m.reason
         if m.paths:
             detail += "; path: " + ", ".join(str(d) for d in m.paths.values())
+        if m.router_fused:
+            detail += "; norm + router: wide.rmsnorm_router"
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
                       "activation": m.activation, "paths": {k: d.path for k, d in m.paths.items()},
                       "group_size": m.group_size, "detail": detail,
@@ -139,6 +141,8 @@ def _summarise(ctx: PassContext) -> None:
             detail += "; " + a.reason
         if a.paths:
             detail += "; paths: " + ", ".join(str(d) for d in a.paths.values())
+        if a.router_fused:
+            detail += "; norm + router: wide.rmsnorm_router"
         r.attn.append({"layer": a.layer, "status": a.status, "form": a.form, "groups": a.groups,
                        "paths": {k: d.path for k, d in a.paths.items()},
                        "group_size": a.group_size, "detail": detail, "q_rewritten": a.status == "rewritten" and a.q_ok,
