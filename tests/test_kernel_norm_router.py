@@ -107,3 +107,12 @@ def test_bad_router_is_one_clear_error():
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_8b_rows(kind, G, T):
     check(T, 4096, G, 32, kind, "normed" if kind == "linear" else "residual", torch.bfloat16, seed=T)
+
+
+@pytest.mark.parametrize("kind", NR.KINDS)
+def test_opcheck(kind):
+    """torch.ops.wide.rmsnorm_router's registration (schema, fake impl, no aliasing) on the device under test."""
+    gen = torch.Generator().manual_seed(1)
+    x, w_norm = torch.randn(3, 16, generator=gen).to(DEV), torch.randn(16, generator=gen).to(DEV)
+    ts = [None if t is None else t.to(DEV) for t in router(kind, 16, 4, 3, gen)]
+    torch.library.opcheck(torch.ops.wide.rmsnorm_router.default, (x, w_norm, 1e-5, "normed", kind, *ts))
