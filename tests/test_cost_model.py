@@ -216,3 +216,11 @@ def test_bench_e2e_paths_column():
     ctx = PassManager().run(gm, ex, mask_stats=0.5, kernel_path="dense")
     assert paths_summary([ctx.report]) == "mlp dense_masked; q dense_masked; o dense_masked"
     assert ("wide_paths", "WIDE path (cost model)") in COLS
+
+
+def test_phase_overrides_of_the_table_win_and_are_recorded():
+    """A kernel_config override of the decode path (applied by the kernels after the row) is what runs and
+    what the decision records."""
+    base = BASE.with_overrides(decode={"path": "dense"})
+    table, d = cm.plan("mlp", cm.Shape(1, 4096, 14336, 128), base, DEVICE, cm.MaskStats(0.5))
+    assert d.path == "dense_masked" and table.overrides == base.overrides

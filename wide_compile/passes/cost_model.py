@@ -276,6 +276,10 @@ class Decision:
         return f"{self.op} {self.path} ({self.source}, {at})"
 
 
+def _phase_overrides(base: KernelTuning, T: int) -> dict:
+    return dict(base.overrides.get("decode" if T <= DECODE_T else "prefill", {}))
+
+
 def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: MaskStats | None,
          kernel_path: str = "auto") -> tuple[KernelTuning, Decision]:
     """The tuning table `op` runs with (base's rows, cut where the chosen path changes, each row carrying the
@@ -290,16 +294,15 @@ def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: Mask
     rows, named = [], []
     for t in grid:
         row = base.row(t, shape.group_size)
+        over = _phase_overrides(base, t)  # applied by the kernels after the row: they decide as the kernels run
         s = Shape(t, shape.d, shape.n, shape.group_size, shape.elem)
-        name = choose(op, s, st, row, dev, kernel_path)
-        cfg = {**row, **PATH_FIELDS[op][name]}
+        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, {**row, **over}, dev, kernel_path)]}
         if not rows or rows[-1][1] != cfg:
             rows.append((t, cfg))
-            named.append((t, name))
+            named.append((t, table_path(op, {**cfg, **over})))
     T = shape.T or 1
     at = Shape(T, shape.d, shape.n, shape.group_size, shape.elem)
-    row_at = base.row(T, shape.group_size)
-    secs = path_seconds(op, at, st, row_at, dev)
+    secs = path_seconds(op, at, st, {**base.row(T, shape.group_size), **_phase_overrides(base, T)}, dev)
     path = next(p for t, p in reversed(named) if t <= T)
     merged = [named[0]] + [b for a, b in zip(named, named[1:]) if a[1] != b[1]]
     table = base if kernel_path == "table" else KernelTuning(base.device, tuple(rows), base.overrides)
