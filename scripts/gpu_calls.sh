@@ -43,6 +43,13 @@
 #   train                  needs setup (+ .data/tok/train_tokens_6m.npz carried): scripts/gpu_smollm2.sh, the
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
+#   lean                   issue 23's lean routed step in one call: the fused norm + router kernel's and the cost
+#                          model's kernel tests compiled on CUDA (the pytest wheels in .whl/), then bench_e2e on
+#                          the goal rows with WIDE three ways in the same interleaved rows: the cost model's paths
+#                          (wide; its choice per row in the path column), the tuning table's (wide_table), and the
+#                          cost model plus the fused norm + router (wide_fused): 8B shape (LEAN_LAYERS, default
+#                          8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and the
+#                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1)
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
@@ -222,6 +229,16 @@ step() {
   kernel_tests)
     TRITON_INTERPRET=0 timeout "${KT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
+  lean)
+    TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernel_norm_router.py tests/test_cost_model.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
+    e2e e2e-lean-8b "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b --layers "${LEAN_LAYERS:-8}" --phases decode \
+      --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
+      --variants inductor static wide wide_table wide_fused --profile "${SHORT[@]}" --no-plot --name e2e-h200-lean-8b
+    e2e e2e-lean-smollm2 "${LEAN_SMOL_TIMEOUT:-170}" --models smollm2-135m --smollm2-weights random \
+      --phases decode prefill --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 --prefill-batch 1 \
+      --capacities 0.5 --masks random --variants inductor static wide wide_table wide_fused "${SHORT[@]}" \
+      --no-plot --name e2e-h200-lean-smollm2 ;;
   tokens)  # the raw text carried as .data/train-text is tokenized there (16 cores); else the halves are joined
     if [ -d .data/train-text ]; then
       python3 -m wide_compile.training.data --data .data/train-text --out "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF"

@@ -408,9 +408,10 @@ def test_options_match_the_parser():
     q = parse_options(["--quick", "--device", "cpu"])
     assert q.layers == 8 and q.time_budget_s == 240.0 and "max_autotune" not in q.variants
     full = parse_options(["--device", "cpu"])
-    assert full.variants == list(VARIANTS) and full.capacities == [1.0, 0.75, 0.5, 0.3]
-    assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_eager",
-                              "trt"]
+    assert full.variants == [v for v in VARIANTS if v not in ("wide_table", "wide_fused")]
+    assert full.capacities == [1.0, 0.75, 0.5, 0.3]
+    assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_table",
+                              "wide_fused", "wide_eager", "trt"]
     assert len({s.key for s in VARIANTS.values()}) == len(VARIANTS)
 
 
@@ -489,3 +490,18 @@ def test_gqa_decode_attention_matches_sdpa_in_decode():
         torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
     clone = MD.shared_clone(fd, wide_attention("gqa_decode"))
     assert clone.config._attn_implementation == "sdpa_unpadded" and fd.config._attn_implementation == "gqa_decode"
+
+
+def test_wide_table_and_fused_variants_are_recorded(tmp_path):
+    """--variants wide_table wide_fused: the other WIDE configurations timed in the same rows, as ratios."""
+    import bench_e2e
+
+    _register_fake_backend()
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "decode",
+                           "--capacities", "0.5", "--masks", "random", "--no-plot",
+                           "--variants", "inductor", "wide", "wide_table", "wide_fused"])
+    r, = data["records"]
+    for k in ("wide_table", "wide_fused"):
+        assert r[f"{k}_ms"] and r[f"{k}_speedup"] == pytest.approx(r["dense_inductor_ms"] / r[f"{k}_ms"], rel=1e-3)
+    assert r["kernel_path"] == "auto" and r["fuse_norm_router"] is False
+    assert "speedup, fused norm+router" in (tmp_path / "e2e-smoke.md").read_text()

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 MODULES = ["wide_compile.kernels.compact_mlp", "wide_compile.kernels.compact_attn", "wide_compile.kernels.reorder",
            "wide_compile.kernels.attn_decode", "wide_compile.kernels.attn_prefill",
-           "wide_compile.kernels.bucket_mlp"]
+           "wide_compile.kernels.bucket_mlp", "wide_compile.kernels.norm_router"]
 
 
 def _jit_kernels():

@@ -51,13 +51,19 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
              runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS).
-    options: see wide_compile.backend (kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
+    options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
+             projection runs, picked per token count by the cost model by default; mask_stats: what it assumes
+             of the masks, default the routers' target capacity; kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
              for CUDA graphs, Inductor patches).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
+    from .passes.cost_model import KERNEL_PATHS
+
+    if options.get("kernel_path", "auto") not in KERNEL_PATHS:  # a bad choice fails here, not in a compile
+        raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {options['kernel_path']!r}")
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 
@@ -96,6 +102,8 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             "attach them first (wide_compile.attach(model, routers)); make routers with "
             "wide_compile.Routers.init(model, cfg) / Routers.load(path, model)")
     backend_opts["report"] = reports.append
+    if backend_opts.get("mask_stats") is None:  # the cost model's mask density: the routers' target capacity
+        backend_opts["mask_stats"] = (routers if routers is not None else attached_routers(model)).cfg.capacity
     backend_opts["geometry"] = GroupGeometry.from_routers(routers if routers is not None else attached_routers(model))
     object.__setattr__(model, "_wide_reports", reports)
     gen_cfg = getattr(model, "generation_config", None)

@@ -14,6 +14,15 @@ Options (keyword arguments, or torch.compile(..., options={...})):
     kernel_config  the WIDE kernels' tile table: a wide_compile.kernels.tuning.KernelTuning (or its JSON / dict), or
                    per-phase overrides {"decode": {...}, "prefill": {...}} on the device's table; default: the
                    device's shipped table (wide_compile/kernels/configs/)
+    kernel_path    which path each routed projection runs per token count (passes/cost_model.py): "auto" (default)
+                   the cost model's estimate of the fastest correct one, "table" the tuning table's rows as they are,
+                   "dense" every op on its dense-masked path, "compact" every op on its compact kernels
+    mask_stats     what the cost model assumes of the masks: a density (share of active groups), a
+                   passes.cost_model.MaskStats (measured: MaskStats.measure(recorded masks)), or
+                   {"attn": ..., "ffn": ...}; optimize passes the routers' target capacity. Without it "auto"
+                   keeps the tuning table's paths
+    fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
+                   run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
     strict         raise instead of warning when a routed block cannot use the WIDE kernels (default False: it keeps
                    its routing on the masked reference, with a warning)
     inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
@@ -35,7 +44,8 @@ from .passes._ops import missing_ops
 
 log = logging.getLogger("wide_compile.backend")
 
-_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention")
+_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
+        "kernel_path", "mask_stats", "fuse_norm_router")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -60,8 +70,10 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     else:
         from .kernels.tuning import as_arg
 
-        ctx = PassManager(sparse_attention=bool(own.get("sparse_attention"))).run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
-                                geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")))
+        ctx = PassManager(sparse_attention=bool(own.get("sparse_attention")),
+                          fuse_norm_router=bool(own.get("fuse_norm_router"))).run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
+                                geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
+                                kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))
         if own.get("report") is not None:
             own["report"](ctx.report)
     counters()["compiled_graphs"] += 1

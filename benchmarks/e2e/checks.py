@@ -69,7 +69,8 @@ def replay_check(wide_model, step_of, reset, routers, options, tol: float = 0.05
     replay = wc.Routers.replay(wide_model, routers.cfg, rec)
     wc.attach(wide_model, replay)
     try:
-        m = compile_wide(wide_model, replay, options)
+        # the cost model decides as for the timed model (the live routers' target capacity)
+        m = compile_wide(wide_model, replay, options, capacity=routers.cfg.capacity)
         c, e = step_logits(step_of(m), reset), step_logits(step_of(wide_model), reset)
     finally:
         wc.attach(wide_model, routers)  # the live routers again, for the rest of the row

@@ -14,7 +14,7 @@ from pathlib import Path
 from wide_compile.helpfmt import HelpFormatter
 
 from .attention import ATTENTIONS
-from .variants import VARIANTS
+from .variants import OPT_IN, VARIANTS
 
 MODELS = ("llama-3.1-8b", "llama-3.2-3b", "smollm2-135m")
 SMOKE_MODEL = "tiny"  # --smoke: the CPU test shape of e2e/models.SHAPES
@@ -80,6 +80,8 @@ class BenchOptions:
     kernel_config: str | None = None
     attention: str = "sdpa"
     sparse_attention: bool = False
+    kernel_path: str = "auto"
+    fuse_norm_router: bool = False
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -98,7 +100,7 @@ class BenchOptions:
         for k, v in (("prefill_tokens", [2048]), ("prefill_batch", [1]), ("decode_ctx", [1024]),
                      ("decode_batch", [1]), ("capacities", [0.5, 1.0])):  # the goal rows first
             self._default(k, v)
-        self._default("variants", [v for v in VARIANTS if v != "max_autotune"])
+        self._default("variants", [v for v in VARIANTS if v != "max_autotune" and v not in OPT_IN])
         self._default("time_budget_s", 240.0)
         self.target_s = min(self.target_s, 0.6)
 
@@ -123,7 +125,7 @@ class BenchOptions:
             self._apply_smoke()
         for k, v in DEFAULTS.items():
             self._default(k, list(v))
-        self._default("variants", list(VARIANTS))
+        self._default("variants", [v for v in VARIANTS if v not in OPT_IN])
         self.models = self.models or list(MODELS)
         self.device = self.device or ("cuda" if cuda_available else "cpu")
         self.name = self.name or ("e2e-smoke" if self.smoke else "e2e-h200")
@@ -267,6 +269,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "with decode through wide.attn_decode's kernel, every head on (e2e/attention.py)")
     p.add_argument("--sparse-attention", action="store_true",
                    help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True))")
+    p.add_argument("--kernel-path", default="auto", choices=("auto", "table", "dense", "compact"),
+                   help="the path of each routed projection (optimize(..., kernel_path=)): the cost model's choice "
+                        "per token count (auto), the tuning table's, or forced dense-masked / compact; the choice "
+                        "per row is the table's path column")
+    p.add_argument("--fuse-norm-router", action="store_true",
+                   help="each block's RMSNorm and router in one launch (optimize(..., fuse_norm_router=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

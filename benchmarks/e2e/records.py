@@ -8,7 +8,7 @@ import dataclasses
 from . import report as R
 from .timing import Variant
 
-INFO_FIELDS = ("mode", "cuda_graph", "entry", "cuda_graph_error")  # Variant.info keys copied into the record
+INFO_FIELDS = ("mode", "cuda_graph", "entry", "cuda_graph_error", "paths")  # Variant.info keys copied into the record
 # dense variants a record always names (None when not timed)
 ALWAYS = ("eager_dense", "dense_max_autotune", "dense_inductor_cg", "trt")
 
@@ -24,7 +24,8 @@ def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, 
     return {"model": model, "layers": layers, "weights": weights, "phase": phase,
             "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks,
             "router_dtype": options.router_dtype, "kernel_config": options.kernel_config,
-            "attention": options.attention, "sparse_attention": options.sparse_attention}
+            "attention": options.attention, "sparse_attention": options.sparse_attention,
+            "kernel_path": options.kernel_path, "fuse_norm_router": options.fuse_norm_router}
 
 
 @dataclasses.dataclass
@@ -53,6 +54,7 @@ class RowResult:
     recompiled: bool = False
     profile: dict | None = None
     extras: dict = dataclasses.field(default_factory=dict)  # record key -> WorkloadExtra
+    wide_variants: dict = dataclasses.field(default_factory=dict)  # wide_table / wide_fused -> Variant
     shared_measurement: bool = False                       # capacity 1.0: one measurement, every mask kind
 
 
@@ -150,6 +152,10 @@ def fill(rec: dict, res: RowResult, mask_model: dict | None = None) -> dict:
     put_static(rec, res)
     put_variant(rec, "wide", res.wide)
     put_variant(rec, "wide_eager", res.wide_eager)
+    for key, v in res.wide_variants.items():  # the other WIDE configurations, as ratios to dense Inductor
+        ms = put_variant(rec, key, v)
+        ref = rec.get("dense_inductor_ms")
+        rec[f"{key}_speedup"] = round(ref / ms, 4) if ms and ref else None
     put_ratios(rec)
     put_row_facts(rec, res, mask_model)
     return rec

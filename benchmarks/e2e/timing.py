@@ -227,6 +227,7 @@ def profile_step(step: Callable, reset: Callable | None, device, n: int = 5, top
     for ms, cnt, c, k in rows[:top]:
         lines.append(f"{ms:9.4f} {100 * ms / total:6.1f} {cnt:6d}  {c:<13} {k[:110]}")
     lines.append(f"{total:9.4f}  total device time per step (sum over kernels)")
+    lines.append(f"{sum(r[1] for r in rows):9d}  kernel launches per step")
     lines.append("by category: " + ", ".join(f"{k}={v:.3f} ms" for k, v in sorted(cats.items(), key=lambda x: -x[1])))
     return "\n".join(lines), {k: round(v, 4) for k, v in cats.items()}
 

@@ -10,6 +10,9 @@ VariantSpec), so adding a variant is one function and one entry.
   static        a physically smaller model of the same FLOP capacity (fewer q heads, narrower FFN) under
                 Inductor, same mode as `inductor`: the ceiling for dynamic routing
   wide          torch.compile(model, backend="wide") with routers attached (decode: + manual CUDA graph)
+  wide_table    wide with every op on the tuning table's path (kernel_path="table"), beside wide's cost-model
+                choice in the same run
+  wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -94,13 +97,45 @@ def build_static(w: "Workload", row: Row) -> Built:
             {"mode": "reduce-overhead", "_keep": sm})
 
 
-def compile_wide(wide_model, routers, options, **kw):
-    """The WIDE model compiled the way --wide-entry says (routers already attached for "backend")."""
+def paths_summary(reports) -> str:
+    """The path each routed op runs, over the layers of the compiled graphs: "mlp gather+kskip; q gather;
+    o dense_masked" (with counts where layers differ)."""
+    from collections import Counter
+
+    by_op: dict = {}
+    for rep in reports:
+        for d in [*rep.mlp, *rep.attn]:
+            for op, path in (d.get("paths") or {}).items():
+                by_op.setdefault(op, Counter())[path] += 1
+    parts = []
+    for op in ("mlp", "q", "o"):
+        c = by_op.get(op)
+        if c:
+            parts.append(f"{op} " + (next(iter(c)) if len(c) == 1 else ", ".join(f"{p} x{n}" for p, n in c.items())))
+    return "; ".join(parts)
+
+
+def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
+    """The WIDE model compiled the way --wide-entry says (routers already attached for "backend"). The cost model
+    assumes masks of density `capacity`; the paths it picks go to info["paths"] when the model compiles."""
     import torch
 
     kc = kernel_config(options)
+    reports: list = []
+
+    def report(rep):
+        reports.append(rep)
+        if info is not None:
+            info["paths"] = paths_summary(reports) + (" + fused norm/router" if rep.counts.get(
+                "fuse_norm_router.fused") else "")
+
     own = {**({"kernel_config": kc} if kc else {}),
            **({"sparse_attention": True} if options.sparse_attention else {})}
+    if options.wide_entry == "optimize" or options.wide_backend == "wide":  # the project's backend's own options
+        own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
+                   fuse_norm_router=options.fuse_norm_router)
+        if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
+            own["report"] = report
     if options.wide_entry == "optimize":
         import wide_compile as wc
 
@@ -109,21 +144,24 @@ def compile_wide(wide_model, routers, options, **kw):
                          **({"options": own} if own else {}), **kw)
 
 
-def build_wide(w: "Workload", row: Row) -> Built:
-    o = w.options
+def build_wide(w: "Workload", row: Row, **override) -> Built:
+    o = dataclasses.replace(w.options, **override) if override else w.options
     inductor_graphs = w.phase == "decode" and w.cuda and o.wide_decode_mode == "reduce-overhead"
-    step = w.step_of(compile_wide(w.wide_model, row.routers, o,
+    info = {"entry": o.wide_entry}  # "paths" arrives when the model compiles (its first call)
+    step = w.step_of(compile_wide(w.wide_model, row.routers, o, capacity=row.capacity, info=info,
                                   **({"mode": "reduce-overhead"} if inductor_graphs else {})))
     if inductor_graphs:
-        return step, w.cudagraph_tree_reset(), {"entry": o.wide_entry, "mode": "reduce-overhead"}
+        info["mode"] = "reduce-overhead"
+        return step, w.cudagraph_tree_reset(), info
     if w.phase == "decode" and o.wide_decode_mode == "manual-graph":
         try:
-            return w.graphed(step, w.reset, {"entry": o.wide_entry})
+            return w.graphed(step, w.reset, info)
         except Exception as e:  # noqa: BLE001  time it without graphs and say why
             w.log(f"    wide: CUDA-graph capture failed ({type(e).__name__}: {str(e)[:200]}); timing without graphs")
             w.free()
-            return step, w.reset, {"entry": o.wide_entry, "cuda_graph": False, "cuda_graph_error": str(e)[:300]}
-    return step, w.reset, {"entry": o.wide_entry}
+            info.update(cuda_graph=False, cuda_graph_error=str(e)[:300])
+            return step, w.reset, info
+    return step, w.reset, info
 
 
 def build_wide_eager(w: "Workload", row: Row) -> Built:
@@ -146,6 +184,14 @@ def _wide_why_not(w: "Workload") -> str | None:
     return wide_backend_status(w.options.wide_backend)
 
 
+def build_wide_table(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, kernel_path="table")
+
+
+def build_wide_fused(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, fuse_norm_router=True)
+
+
 VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("eager", "eager_dense", "workload", build_eager),
     VariantSpec("inductor", "dense_inductor", "row", build_inductor),
@@ -155,8 +201,12 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
                 applies=lambda w: w.phase == "decode", why_not=_cg_why_not),
     VariantSpec("static", "static", "capacity", build_static),
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
+    VariantSpec("wide_table", "wide_table", "routers", build_wide_table, why_not=_wide_why_not),
+    VariantSpec("wide_fused", "wide_fused", "routers", build_wide_fused, why_not=_wide_why_not),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
+# timed only when --variants names them (each is one more WIDE compile per row)
+OPT_IN = ("wide_table", "wide_fused")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")

@@ -188,7 +188,8 @@ class Workload:
 
     def time_row(self, res: RowResult) -> None:
         """Time the row's variants together (+ the once-per-workload ones the first time)."""
-        group = [v for v in (res.ref, res.cg, res.static, res.wide, res.wide_eager) if v is not None]
+        group = [v for v in (res.ref, res.cg, res.static, res.wide, *res.wide_variants.values(), res.wide_eager)
+                 if v is not None]
         if not self.extras_timed:
             group += [v for k, v in self.dense_vars.items() if VARIANTS[k].scope == "workload"]
         for v in group:
@@ -230,7 +231,8 @@ class Workload:
             return
         header = (f"{self.bm.name} layers={self.bm.layers} {self.phase} tokens={self.tokens} batch={self.batch} "
                   f"capacity={cap} masks={masks}")
-        res.profile = profile_variants({"dense_inductor": res.ref, "static": res.static, "wide": res.wide},
+        res.profile = profile_variants({"dense_inductor": res.ref, "static": res.static, "wide": res.wide,
+                                        **res.wide_variants},
                                        self.device, o.profile_steps, header, self.run.profile_path)
 
     def run_row(self, cap: float, masks: str, static_v: Variant | None, row: Row) -> None:
@@ -248,6 +250,7 @@ class Workload:
                 res.errors["measure_capacity"] = f"{type(e).__name__}: {str(e)[:300]}"
             built = self.build_routed(Row(cap, routers), res)
             res.wide, res.wide_eager = built.get("wide"), built.get("wide_eager")
+            res.wide_variants = {k: v for k, v in built.items() if k not in ("wide", "wide_eager") and v is not None}
         self.time_row(res)
         self.check_row(res)
         self.profile_row(cap, masks, res)

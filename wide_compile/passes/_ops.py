@@ -4,7 +4,7 @@ traces through them, so the graph Inductor sees holds reshapes + the torch.ops.w
 `tuning` is the kernels' tile table as JSON ("" = the device's shipped one; wide_compile.kernels.tuning)."""
 from __future__ import annotations
 
-OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill")
+OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill", "wide_rmsnorm_router")
 
 
 def kernels():
@@ -66,3 +66,8 @@ def wide_attn_prefill_nd(q, k, v, mask, heads_per_group: int, scale=None):
     """q [B, Hq, T, d], k / v [B, Hkv, T, d], mask [..., T, G] (the router's) -> [B, Hq, T, d], causal."""
     B, T, G = q.shape[0], q.shape[2], q.shape[1] // heads_per_group
     return kernels().wide_attn_prefill(q, k, v, mask.expand(B, T, G), heads_per_group, None, scale)
+
+
+def wide_rmsnorm_router_nd(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None):
+    """x [..., D] -> (RMSNorm(x) [..., D], router mask [..., G] bool) in one launch (kernels/norm_router.py)."""
+    return kernels().wide_rmsnorm_router(x, w_norm, eps, router_input, kind, w1, b1, w2, b2)

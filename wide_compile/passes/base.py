@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from torch import fx
 
 from ..config import GroupGeometry
-from ._graph import Weights, describe
+from ._graph import Weights, describe, meta, static_rows
 
 log = logging.getLogger("wide_compile.passes")
 
@@ -74,6 +74,8 @@ class MLPMatch(_BlockForm):
     gate_src: tuple | None = None        # (linear, rows a:b of its weight or None): _graph.proj_source
     up_src: tuple | None = None
     activation: str = "silu"             # the gate's activation (kernels.reference.ACTIVATIONS)
+    paths: dict = field(default_factory=dict)  # op -> cost_model.Decision of its rewritten op
+    router_fused: bool = False           # its norm and router run as one wide.rmsnorm_router (fuse_norm_router)
 
 
 @dataclass
@@ -96,6 +98,8 @@ class AttnMatch(_BlockForm):
     reason: str = ""
     sdpa_kind: str = ""                  # "decode" / "prefill" once sdpa runs a wide.attn_* op (rewrite_sdpa)
     sdpa_reason: str = ""                # why sdpa stayed dense in a rewritten block
+    paths: dict = field(default_factory=dict)  # "q" / "o" -> cost_model.Decision of its rewritten op
+    router_fused: bool = False
 
 
 @dataclass
@@ -150,7 +154,8 @@ def op_counts(gm: fx.GraphModule) -> Counter:
 
 class PassContext:
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], routers=None, strict: bool = False,
-                 geometry: GroupGeometry | None = None, kernel_tuning: str = ""):
+                 geometry: GroupGeometry | None = None, kernel_tuning: str = "", kernel_path: str = "auto",
+                 mask_stats=None):
         self.gm = gm
         self.example_inputs = example_inputs
         self.weights = Weights(gm, example_inputs)
@@ -160,10 +165,34 @@ class PassContext:
         # passes read the grouping off the traced mask multiply and only check that it covers the width
         self.geometry = geometry if geometry is not None or routers is None else GroupGeometry.from_routers(routers)
         self.kernel_tuning = kernel_tuning  # the kernels' tile table as JSON, "" = the device's (kernels/tuning.py)
+        # which path each rewritten op runs per token count (cost_model.KERNEL_PATHS) and what is known of the
+        # masks it decides with: {"attn": MaskStats | None, "ffn": ...}
+        from .cost_model import KERNEL_PATHS
+
+        if kernel_path not in KERNEL_PATHS:
+            raise ValueError(f"wide_compile: kernel_path must be one of {KERNEL_PATHS}, got {kernel_path!r}")
+        self.kernel_path = kernel_path
+        self.mask_stats = mask_stats_by_kind(mask_stats)
         self.mlps: list[MLPMatch] = []
         self.attns: list[AttnMatch] = []
         self.report = GraphReport()
         self.unmatched_nodes: list[tuple[str, fx.Node | None, str]] = []
+
+    def op_tuning(self, op: str, x: fx.Node, d: int, n: int, group_size: int):
+        """(tuning JSON, Decision) for op ("mlp" / "q" / "o") reading x [..., width] (d = D, n = F or Nq): the
+        kernels' table with the cost model's path per token count (cost_model.plan)."""
+        from ..kernels.tuning import resolve
+        from .cost_model import Shape, device_cost, plan
+
+        v = meta(x)
+        dev = getattr(v, "device", None)
+        base = resolve(self.kernel_tuning or None, dev if dev is not None and dev.type != "meta" else None)
+        elem = v.dtype.itemsize if v is not None else 2
+        stats = self.mask_stats["ffn" if op == "mlp" else "attn"]
+        shape = Shape(static_rows(x) or 0, d, n, group_size, elem)
+        table, decision = plan(op, shape, base, device_cost(dev), stats, self.kernel_path)
+        self.count(f"cost_model.{op}.{decision.path}")
+        return (self.kernel_tuning if table is base else table.to_json()), decision
 
     def count(self, key: str, n: int = 1) -> None:
         if n:
@@ -205,6 +234,20 @@ class PassContext:
         given routers; the leftover check names them for traced routed linears nobody consumed."""
         self.report.unmatched.append(f"{what} at {describe(node)}: {why}")
         self.unmatched_nodes.append((what, node, why))
+
+
+def mask_stats_by_kind(spec) -> dict:
+    """{"attn": MaskStats | None, "ffn": ...} from what the user gives: None, one density or MaskStats for both,
+    or {"attn": ..., "ffn": ...}."""
+    from .cost_model import MaskStats
+
+    if isinstance(spec, dict):
+        bad = [k for k in spec if k not in ("attn", "ffn")]
+        if bad:
+            raise ValueError(f"mask_stats: keys must be 'attn' / 'ffn', got {bad}")
+        return {k: None if spec.get(k) is None else MaskStats.of(spec[k]) for k in ("attn", "ffn")}
+    st = None if spec is None else MaskStats.of(spec)
+    return {"attn": st, "ffn": st}
 
 
 def keep_routing(ctx: PassContext, consumer: fx.Node, inner: fx.Node, match) -> None:

@@ -18,31 +18,36 @@ from ._graph import describe, is_call, is_linear, is_mul, linear_parts, match_gr
 from .base import Pass, PassContext, counters, log, op_counts
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
+from .fuse_norm_router import FuseNormRouter
 from .insert_routers import InsertRouters
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
 
 
-def default_passes(sparse_attention: bool = False) -> list[Pass]:
+def default_passes(sparse_attention: bool = False, fuse_norm_router: bool = False) -> list[Pass]:
     """The WIDE passes in order; `sparse_attention` adds rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill), which is opt-in until its compiled GPU path is verified
-    (benchmarks/results/attention/README.md)."""
+    (benchmarks/results/attention/README.md); `fuse_norm_router` adds fuse_norm_router (each block's RMSNorm
+    and router in one wide.rmsnorm_router launch), opt-in until scripts/gpu_calls.sh's `lean` step has timed
+    and checked it compiled. It runs last: the earlier passes hold the mask nodes it replaces."""
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention()]
-    return passes + [RewriteSDPA()] if sparse_attention else passes
+    passes += [RewriteSDPA()] if sparse_attention else []
+    return passes + [FuseNormRouter()] if fuse_norm_router else passes
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool = False):
-        self.passes = list(passes) if passes is not None else default_passes(sparse_attention)
+                 sparse_attention: bool = False, fuse_norm_router: bool = False):
+        self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
-            geometry: GroupGeometry | None = None, kernel_tuning: str = "") -> PassContext:
+            geometry: GroupGeometry | None = None, kernel_tuning: str = "", kernel_path: str = "auto",
+            mask_stats=None) -> PassContext:
         t0 = time.perf_counter()
         ctx = PassContext(gm, example_inputs, routers=routers, strict=strict, geometry=geometry,
-                          kernel_tuning=kernel_tuning)
+                          kernel_tuning=kernel_tuning, kernel_path=kernel_path, mask_stats=mask_stats)
         ctx.report.nodes_before = len(gm.graph.nodes)
         ctx.report.ops_before = op_counts(gm)
         for p in self.passes:
@@ -112,8 +117,12 @@ def _summarise(ctx: PassContext) -> None:
             detail = f"G={m.groups} x {m.group_size} channels, {m.activation} gate, {m.form} input"
         if m.reason:
             detail += ("; " if detail else "") + m.reason
+        if m.paths:
+            detail += "; path: " + ", ".join(str(d) for d in m.paths.values())
+        if m.router_fused:
+            detail += "; norm + router: wide.rmsnorm_router"
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
-                      "activation": m.activation,
+                      "activation": m.activation, "paths": {k: d.path for k, d in m.paths.items()},
                       "group_size": m.group_size, "detail": detail,
                       "nodes": {k: getattr(m, k).name for k in ("gate", "up", "down")}})
     for a in ctx.attns:
@@ -130,7 +139,12 @@ def _summarise(ctx: PassContext) -> None:
             detail += f"; attention dense ({a.sdpa_reason})"
         if a.reason:
             detail += "; " + a.reason
+        if a.paths:
+            detail += "; paths: " + ", ".join(str(d) for d in a.paths.values())
+        if a.router_fused:
+            detail += "; norm + router: wide.rmsnorm_router"
         r.attn.append({"layer": a.layer, "status": a.status, "form": a.form, "groups": a.groups,
+                       "paths": {k: d.path for k, d in a.paths.items()},
                        "group_size": a.group_size, "detail": detail, "q_rewritten": a.status == "rewritten" and a.q_ok,
                        "nodes": {"q": a.q.name, "o": a.o.name, "kv": [n.name for n in a.kv]}})
     forms = {m.form for m in ctx.mlps} | {a.form for a in ctx.attns}

@@ -1,4 +1,5 @@
-"""Pass 5: rewrite the routed attention projections: o -> wide.o_proj (weight transposed once, now, into
+"""Pass 5: rewrite the routed attention projections (each on the path the cost model picks per token count,
+cost_model.py, recorded in the node's meta["wide_path"]): o -> wide.o_proj (weight transposed once, now, into
 a graph constant w_o_t [Nq, D]), q -> wide.q_proj (inactive head groups' columns exactly 0; only when the
 q -> sdpa path keeps heads apart, see detect_attention). K and V stay dense linears. With a fused qkv linear
 (rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest."""
@@ -67,7 +68,9 @@ class RewriteAttention(Pass):
                 continue
             with ctx.gm.graph.inserting_before(a.o):
                 wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
-                new_o = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size, ctx.kernel_tuning))
+                tuning, a.paths["o"] = ctx.op_tuning("o", a.o_in, W.tensor(wo).shape[0], nq, a.group_size)
+                new_o = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size, tuning))
+                new_o.meta["wide_path"] = a.paths["o"]
             a.o.replace_all_uses_with(new_o)
             erase_unused(ctx.gm, [a.o, *a.expand_nodes])
             ctx.count("rewrite_attention.o_rewritten")
@@ -76,7 +79,9 @@ class RewriteAttention(Pass):
             if a.q_ok:
                 with ctx.gm.graph.inserting_before(a.q):
                     wq, bq = weight_rows(ctx, a.q_src)
-                    new_q = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, ctx.kernel_tuning))
+                    tuning, a.paths["q"] = ctx.op_tuning("q", a.x, W.tensor(wo).shape[0], nq, a.group_size)
+                    new_q = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
+                    new_q.meta["wide_path"] = a.paths["q"]
                 a.q.replace_all_uses_with(new_q)
                 erase_unused(ctx.gm, [a.q])
                 if q_rows is not None and not _split_fused_kv(ctx, a):

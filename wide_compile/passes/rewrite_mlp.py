@@ -1,5 +1,6 @@
 """Pass 4: rewrite each routed gated MLP (gate, up, act, mul, [mask multiply], down) into one wide.mlp call
-with the gate's activation. The down weight is transposed once, now, into a graph constant (w_down_t [F, D]);
+with the gate's activation, on the path the cost model picks per token count (cost_model.py; recorded in the
+node's meta["wide_path"]). The down weight is transposed once, now, into a graph constant (w_down_t [F, D]);
 gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy)."""
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ class RewriteMLP(Pass):
                 wg, _ = weight_rows(ctx, m.gate_src)
                 wu, _ = weight_rows(ctx, m.up_src)
                 wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
-                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, ctx.kernel_tuning, m.activation))
+                tuning, m.paths["mlp"] = ctx.op_tuning("mlp", m.x, W.tensor(wd).shape[0], m.groups * m.group_size,
+                                                       m.group_size)
+                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, tuning, m.activation))
+                new.meta["wide_path"] = m.paths["mlp"]
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
             m.down.replace_all_uses_with(new)

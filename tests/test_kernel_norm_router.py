@@ -1,0 +1,118 @@
+"""The fused RMSNorm + router kernel (kernels/norm_router.py) vs its float64 reference: on the CPU under the
+Triton interpreter (TRITON_INTERPRET=1), compiled on a CUDA GPU when the run sets TRITON_INTERPRET=0 (same
+cases and tolerances, plus 8B-sized rows).
+
+Tolerances: the norm output y within 1e-5 (fp32) / 1e-2 (bf16) relative L2 of the float64 reference from
+the same rounded inputs; the mask equals the float64 reference's decision (computed from the kernel's own y,
+so the two compare the router alone) wherever that logit is further than 1e-4 from 0 (closer, fp32
+summation order may decide either way, as in any compiled fp32 GEMM).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from wide_compile.kernels import norm_router as NR  # noqa: E402
+from wide_compile.kernels import wide_rmsnorm_router  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(DEV != "cuda", reason="8B-sized rows: compiled on a CUDA GPU only")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def router(kind, D, G, R, gen, bias_shift=0.0):
+    """(w1, b1, w2, b2) of a random fp32 router; bias_shift moves every logit (+-: all groups on / off)."""
+    w1 = torch.randn(G if kind == "linear" else R, D, generator=gen) / D ** 0.5
+    b1 = torch.randn(w1.shape[0], generator=gen) * 0.1
+    if kind == "linear":
+        return w1, b1 + bias_shift, None, None
+    w2 = torch.randn(2 * G if kind == "pair" else G, R, generator=gen) / R ** 0.5
+    b2 = torch.randn(w2.shape[0], generator=gen) * 0.1
+    if kind == "pair":
+        b2.view(G, 2)[:, 1] += bias_shift  # the execute logits
+    else:
+        b2 += bias_shift
+    return w1, b1, w2, b2
+
+
+def check(T, D, G, R, kind, router_input, dtype, seed=0, bias_shift=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, D, generator=gen) * 3).to(dtype)
+    w_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+    ts = router(kind, D, G, R, gen, bias_shift)
+    dev = [None if t is None else t.to(DEV) for t in (x, w_norm, *ts)]
+    y, mask = NR.rmsnorm_router_triton(dev[0], dev[1], 1e-5, router_input, kind, *dev[2:])
+    assert y.dtype == dtype and y.shape == (T, D) and mask.dtype == torch.bool and mask.shape == (T, G)
+    y, mask = y.cpu(), mask.cpu()
+    y_ref = NR.rmsnorm_ref(x.double(), w_norm.double(), 1e-5) if dtype == torch.float32 else \
+        NR.rmsnorm_ref(x, w_norm, 1e-5).double()
+    err = ((y.double() - y_ref).norm() / y_ref.norm()).item()
+    assert err <= TOL[dtype], err
+    h = (y if router_input == "normed" else x).double()
+    logits = NR.router_logits_ref(h, kind, *(None if t is None else t.double() for t in ts))
+    sure = logits.abs() > 1e-4
+    assert torch.equal(mask[sure], (logits > 0)[sure])
+    return mask
+
+
+@pytest.mark.parametrize("kind", NR.KINDS)
+@pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
+@pytest.mark.parametrize("T", [1, 2, 7, 33, 70])
+def test_fp32_odd_width(kind, router_input, T):
+    check(T, 37, 6, 5, kind, router_input, torch.float32, seed=T)
+
+
+@pytest.mark.parametrize("kind", NR.KINDS)
+@pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
+def test_bf16(kind, router_input):
+    check(9, 72, 12, 8, kind, router_input, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", NR.KINDS)
+def test_all_on_all_off_and_one_group(kind):
+    assert check(4, 24, 3, 4, kind, "normed", torch.float32, bias_shift=100.0).all()
+    assert not check(4, 24, 3, 4, kind, "residual", torch.float32, bias_shift=-100.0).any()
+    assert check(3, 40, 1, 2, kind, "normed", torch.float32).shape == (3, 1)
+
+
+def test_wide_op_matches_the_kernel_and_keeps_leading_dims():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 20, generator=gen).to(DEV)
+    w_norm = torch.randn(20, generator=gen).to(DEV)
+    w1, b1, w2, b2 = (t.to(DEV) for t in router("pair", 20, 4, 3, gen))
+    y, m = wide_rmsnorm_router(x, w_norm, 1e-6, "residual", "pair", w1, b1, w2, b2)
+    y_ref, m_ref = NR.rmsnorm_router_ref(x.reshape(-1, 20), w_norm, 1e-6, "residual", "pair", w1, b1, w2, b2)
+    assert y.shape == (2, 3, 20) and m.shape == (2, 3, 4)
+    torch.testing.assert_close(y.reshape(-1, 20), y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(m.reshape(-1, 4), m_ref)
+
+
+def test_bad_router_is_one_clear_error():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="float32"):
+        NR.rmsnorm_router_triton(x, w, 1e-5, "normed", "linear", torch.randn(3, 8).half())
+    with pytest.raises(ValueError, match="w1"):
+        NR.rmsnorm_router_triton(x, w, 1e-5, "normed", "pair", torch.randn(3, 8))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        NR.rmsnorm_router_triton(x, w, 1e-5, "normed", "codebook", torch.randn(3, 8))
+
+
+@gpu_only
+@pytest.mark.parametrize("kind,G", [("linear", 112), ("pair", 32), ("mlp", 224)])
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_8b_rows(kind, G, T):
+    check(T, 4096, G, 32, kind, "normed" if kind == "linear" else "residual", torch.bfloat16, seed=T)
+
+
+@pytest.mark.parametrize("kind", NR.KINDS)
+def test_opcheck(kind):
+    """torch.ops.wide.rmsnorm_router's registration (schema, fake impl, no aliasing) on the device under test."""
+    gen = torch.Generator().manual_seed(1)
+    x, w_norm = torch.randn(3, 16, generator=gen).to(DEV), torch.randn(16, generator=gen).to(DEV)
+    ts = [None if t is None else t.to(DEV) for t in router(kind, 16, 4, 3, gen)]
+    torch.library.opcheck(torch.ops.wide.rmsnorm_router.default, (x, w_norm, 1e-5, "normed", kind, *ts))
