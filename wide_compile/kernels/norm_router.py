@@ -67,6 +67,8 @@ def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, 
                            R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
                            BD: tl.constexpr, KIND: tl.constexpr, RESIDUAL: tl.constexpr,
                            HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+    # Inductor types a Python float argument of a user kernel as fp64: the statistic stays fp32 as in HF
+    eps = tl.cast(eps, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     # pass 1: the row's mean square, in fp32
