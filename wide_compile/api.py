@@ -52,8 +52,8 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
              runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS).
     options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
-             projection runs, picked per token count by the cost model by default; mask_stats: what it assumes
-             of the masks, default the routers' target capacity; kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
+             projection runs; default the tuning table's paths, "auto" the cost model's pick per token count;
+             mask_stats: what the cost model assumes of the masks, default the routers' target capacity; kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
              for CUDA graphs, Inductor patches).
     """
     if not isinstance(model, nn.Module):
@@ -102,7 +102,9 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             "attach them first (wide_compile.attach(model, routers)); make routers with "
             "wide_compile.Routers.init(model, cfg) / Routers.load(path, model)")
     backend_opts["report"] = reports.append
-    if backend_opts.get("mask_stats") is None:  # the cost model's mask density: the routers' target capacity
+    # the cost model decides only when asked (kernel_path="auto"): its device data are not yet checked against a
+    # timed run, so by default the measured tuning table decides; its mask density: the routers' target capacity
+    if backend_opts.get("kernel_path") == "auto" and backend_opts.get("mask_stats") is None:
         backend_opts["mask_stats"] = (routers if routers is not None else attached_routers(model)).cfg.capacity
     backend_opts["geometry"] = GroupGeometry.from_routers(routers if routers is not None else attached_routers(model))
     object.__setattr__(model, "_wide_reports", reports)
