@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from .compact_mlp import ACT_IDS, fit_shared_memory, shared_memory_bytes
+from .compact_mlp import ACT_IDS, fit_shared_memory, gated_act, shared_memory_bytes
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import DECODE_T, interpreting
 
@@ -349,13 +349,7 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
                 w2 = w2.to(tl.float32)
             acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
     if GATED:
-        if ACT == 0:  # silu
-            y = acc1 * tl.sigmoid(acc1) * acc2
-        elif ACT == 1:  # gelu: x * Phi(x)
-            y = 0.5 * acc1 * (1.0 + tl.math.erf(acc1 * 0.7071067811865476)) * acc2
-        else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
-            z = 0.7978845608028654 * (acc1 + 0.044715 * acc1 * acc1 * acc1)
-            y = acc1 * tl.sigmoid(2.0 * z) * acc2
+        y = gated_act(acc1, acc2, ACT)
     else:
         y = acc1
         if HAS_BIAS:

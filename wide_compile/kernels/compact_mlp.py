@@ -31,6 +31,19 @@ from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists
 from .tuning import DECODE_T, interpreting, resolve  # noqa: F401  (DECODE_T: re-exported)
 
 
+@triton.jit
+def gated_act(acc1, acc2, ACT: tl.constexpr):
+    # act(acc1) * acc2 in fp32, act by ACT_IDS: the gated MLP kernels' shared epilogue
+    if ACT == 0:  # silu
+        y = acc1 * tl.sigmoid(acc1) * acc2
+    elif ACT == 1:  # gelu: x * Phi(x)
+        y = 0.5 * acc1 * (1.0 + tl.math.erf(acc1 * 0.7071067811865476)) * acc2
+    else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
+        z = 0.7978845608028654 * (acc1 + 0.044715 * acc1 * acc1 * acc1)
+        y = acc1 * tl.sigmoid(2.0 * z) * acc2
+    return y
+
+
 @triton.jit(do_not_specialize=["T"])
 def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     idx_ptr, cnt_ptr, sorted_ptr, ntpp_ptr,
@@ -105,13 +118,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                 w2 = w2.to(tl.float32)
             acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
     if GATED:
-        if ACT == 0:  # silu
-            y = acc1 * tl.sigmoid(acc1) * acc2
-        elif ACT == 1:  # gelu: x * Phi(x)
-            y = 0.5 * acc1 * (1.0 + tl.math.erf(acc1 * 0.7071067811865476)) * acc2
-        else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
-            z = 0.7978845608028654 * (acc1 + 0.044715 * acc1 * acc1 * acc1)
-            y = acc1 * tl.sigmoid(2.0 * z) * acc2
+        y = gated_act(acc1, acc2, ACT)
     else:
         y = acc1
         if HAS_BIAS:
