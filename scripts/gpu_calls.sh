@@ -93,11 +93,11 @@ RUN=${RUN:-c$CAP}
 
 # The capacity sweep's budget. One epoch of the train split is about 1650 steps of 16 x 512 tokens (13.5 M
 # tokens); --s1-epochs 0.1 --s2-epochs 0.05 are about 165 + 82 steps (1.35 M + 0.67 M tokens) per run. The WIDE
-# and SkipGPT-style runs train both stages (8 x 2.0 M tokens), the static runs stage 2 only (4 x 0.67 M), 18.9 M
-# tokens in all: about 290 s at SmolLM2's ~65k fwd+bwd tokens/s on one H100 (shared by the processes), plus
-# each process's start, held-out evaluations and calibration, inside one sweep1 call. Four processes at batch
-# 16 share the 80 GB (five did not always fit: one of five ran out of memory). Quality runs one at a time at
-# batch 8 (in parallel at batch 32 they ran out of memory), about 25 s each: the 12 take a second call (sweep2).
+# and SkipGPT-style runs train both stages (8 x 2.0 M tokens), the static runs stage 2 only (4 x 0.67 M): 18.9 M
+# tokens in all, sized for about 65k fwd+bwd tokens/s on one H100 shared by the processes (about 290 s), plus
+# each process's start, held-out evaluations and calibration: one sweep1 call. Four processes at batch 16
+# share the 80 GB (five are at its edge: budget3m-c0.5/README.md in benchmarks/results/quality-smollm2).
+# Quality runs one run at a time at batch 8, about 25 s each: the 12 take a call of their own (sweep2).
 SWEEP_CAPS=${SWEEP_CAPS:-0.3 0.5 0.7 0.85}
 SWEEP_ARGS=${SWEEP_ARGS:---batch-size 16 --s1-epochs 0.1 --s2-epochs 0.05}
 SWEEP_PARALLEL=${SWEEP_PARALLEL:-4}
