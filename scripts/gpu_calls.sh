@@ -154,6 +154,7 @@ each_run() {
 # sweep_train: sweep1's body; the runs SWEEP_PARALLEL at a time, each with the deadline the step has left
 sweep_train() {
   local end=$(( SECONDS + ${SWEEP_S:-500} )) entry name left n
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # four processes share the GPU
   mkdir -p "$C/sweep-logs"
   while read -r entry; do
     name=${entry%% *}
