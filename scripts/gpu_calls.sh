@@ -74,6 +74,14 @@
 #                          at once); QUALITY_ARGS
 #   pack                   that run's (RUNS': all) routers, LoRA, summary, curves and quality records as
 #                          $OUT/run-NAME.tgz
+#   sweep1, sweep2         needs setup + tokens: the capacity sweep of issue 19 (benchmarks/capacity_sweep.py):
+#                          WIDE / SkipGPT-style / static x SWEEP_CAPS (0.3 0.5 0.7 0.85) at one small equal
+#                          budget (SWEEP_ARGS) into /root/wcache/runs/sw-METHOD-CAP. sweep1 trains the 12 runs,
+#                          SWEEP_PARALLEL (4) processes at a time, each paused before the step's SWEEP_S (500)
+#                          seconds end; sweep2 scores every trained run with `wide eval quality` (ppl, positions),
+#                          one at a time. Both skip what is done and resume what paused: repeat a step until it
+#                          reports nothing left. Each ends with $OUT/sweep.tgz: summaries, stage curves, quality
+#                          records and logs of every sweep run (no routers or LoRA)
 set -uo pipefail
 C=/root/wcache
 mkdir -p "$C" "${OUT:=out}"
@@ -82,6 +90,26 @@ export WIDE_SMOLLM2_GGUF=$C/SmolLM2-135M-Instruct.Q4_1.gguf WIDE_CACHE_DIR=$C/hf
 export WIDE_DATA_DIR=$C/data
 CAP=${CAP:-0.5}
 RUN=${RUN:-c$CAP}
+
+# The capacity sweep's budget. One epoch of the train split is about 1650 steps of 16 x 512 tokens (13.5 M
+# tokens); --s1-epochs 0.1 --s2-epochs 0.05 are about 165 + 82 steps (1.35 M + 0.67 M tokens) per run. The WIDE
+# and SkipGPT-style runs train both stages (8 x 2.0 M tokens), the static runs stage 2 only (4 x 0.67 M): 18.9 M
+# tokens in all, sized for about 65k fwd+bwd tokens/s on one H100 shared by the processes (about 290 s), plus
+# each process's start, held-out evaluations and calibration: one sweep1 call. Four processes at batch 16
+# share the 80 GB (five are at its edge: budget3m-c0.5/README.md in benchmarks/results/quality-smollm2).
+# Quality runs one run at a time at batch 8, about 25 s each: the 12 take a call of their own (sweep2).
+SWEEP_CAPS=${SWEEP_CAPS:-0.3 0.5 0.7 0.85}
+SWEEP_ARGS=${SWEEP_ARGS:---batch-size 16 --s1-epochs 0.1 --s2-epochs 0.05}
+SWEEP_PARALLEL=${SWEEP_PARALLEL:-4}
+SWEEP_QUALITY_ARGS="--metrics ppl,positions --batch-size 8"
+
+# sweep_runs: one line per sweep run, NAME CAP ARGS..., the two-stage runs first (the static ones are shorter)
+sweep_runs() {
+  local cap
+  for cap in $SWEEP_CAPS; do echo "sw-wide-$cap $cap $SWEEP_ARGS"; done
+  for cap in $SWEEP_CAPS; do echo "sw-skipgpt-$cap $cap --baseline skipgpt $SWEEP_ARGS"; done
+  for cap in $SWEEP_CAPS; do echo "sw-static-$cap $cap --baseline static $SWEEP_ARGS"; done
+}
 
 # e2e LOG_NAME TIMEOUT_S ARGS...: bench_e2e.py under a timeout, its budget 30 s inside it, the log's summary lines
 e2e() {
@@ -99,16 +127,16 @@ GOAL_ROWS=(--models llama-3.1-8b --capacities 0.5 --masks random --prefill-token
 one_recipe() {
   local name=$1 cap=$2; shift 2
   python3 -m wide_compile.training recipe --capacity "$cap" --out "$C/runs/$name" --tokens "$C/tokens.npy" \
-    --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-530}" "$@" >> "$OUT/train-$name.log" 2>&1
-  local rc=$?; grep -v "^\s*$" "$OUT/train-$name.log" | tail -6 | sed "s/^/[$name] /"; return $rc
+    --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-530}" "$@" >> "${LOG_DIR:-$OUT}/train-$name.log" 2>&1
+  local rc=$?; grep -v "^\s*$" "${LOG_DIR:-$OUT}/train-$name.log" | tail -6 | sed "s/^/[$name] /"; return $rc
 }
 
 # one_quality NAME [CAP ARGS...]: `wide eval quality` on one run's routers + LoRA
 one_quality() {
   python3 -m wide_compile.eval quality --routers "$C/runs/$1/routers.safetensors" \
     --lora "$C/runs/$1/lora.safetensors" --metrics ppl,positions,generation --dtype float32 \
-    --batch-size 32 --out "$C/runs/$1/quality" ${QUALITY_ARGS:-} > "$OUT/quality-$1.log" 2>&1
-  local rc=$?; tail -8 "$OUT/quality-$1.log" | sed "s/^/[$1] /"; return $rc
+    --batch-size 32 --out "$C/runs/$1/quality" ${QUALITY_ARGS:-} > "${LOG_DIR:-$OUT}/quality-$1.log" 2>&1
+  local rc=$?; tail -8 "${LOG_DIR:-$OUT}/quality-$1.log" | sed "s/^/[$1] /"; return $rc
 }
 
 # each_run FN: FN NAME CAP ARGS... for every entry of RUNS at once; fails if any failed (75 if one paused)
@@ -121,6 +149,51 @@ each_run() {
   done < <(echo "$RUNS" | tr ';' '\n')
   for p in "${pids[@]}"; do wait "$p" || { r=$?; [ $rc -eq 0 ] || [ $r -ne 75 ] && rc=$r; }; done
   return $rc
+}
+
+# sweep_train: sweep1's body; the runs SWEEP_PARALLEL at a time, each with the deadline the step has left
+sweep_train() {
+  local end=$(( SECONDS + ${SWEEP_S:-500} )) entry name left n
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # four processes share the GPU
+  mkdir -p "$C/sweep-logs"
+  while read -r entry; do
+    name=${entry%% *}
+    [ -f "$C/runs/$name/summary.json" ] && { echo "[$name] trained earlier"; continue; }
+    while [ "$(jobs -rp | wc -l)" -ge "$SWEEP_PARALLEL" ]; do wait -n; done
+    left=$(( end - SECONDS ))
+    if [ "$left" -lt 90 ]; then echo "[sweep] $left s left: $name and later runs wait for the next sweep1"; break; fi
+    # shellcheck disable=SC2086
+    DEADLINE_S=$left LOG_DIR="$C/sweep-logs" one_recipe $entry &
+  done < <(sweep_runs)
+  wait
+  sweep_pack
+  n=$(sweep_runs | awk '{print $1}' | while read -r r; do [ -f "$C/runs/$r/summary.json" ] || echo "$r"; done | wc -l)
+  echo "[sweep] $n of $(sweep_runs | wc -l) runs not finished$([ "$n" -gt 0 ] && echo ': run sweep1 again')"
+  [ "$n" -eq 0 ] || return 75
+}
+
+# sweep_quality: sweep2's body; `wide eval quality` on each trained run without a finished record, one at a time
+sweep_quality() {
+  local end=$(( SECONDS + ${SWEEP_S:-500} )) name todo=0
+  mkdir -p "$C/sweep-logs"
+  for name in $(sweep_runs | awk '{print $1}'); do
+    [ -f "$C/runs/$name/quality/summary.md" ] && continue
+    if [ ! -f "$C/runs/$name/summary.json" ]; then echo "[$name] not trained: run sweep1 first"; todo=1; continue; fi
+    if [ $(( end - SECONDS )) -lt 60 ]; then echo "[sweep] time is up before $name: run sweep2 again"; todo=1; continue; fi
+    QUALITY_ARGS=$SWEEP_QUALITY_ARGS LOG_DIR="$C/sweep-logs" one_quality "$name" || todo=1
+  done
+  sweep_pack
+  return $(( todo * 75 ))
+}
+
+# sweep_pack: the sweep runs' small records and the logs as one archive (the device returns few files)
+sweep_pack() {
+  local r files=()
+  for r in $(sweep_runs | awk '{print $1}'); do
+    [ -d "$C/runs/$r" ] && files+=($(cd "$C/runs" && ls -d "$r"/summary.json "$r"/quality "$r"/stage*/curve.* \
+      "$r"/stage*/stage*.json 2>/dev/null))
+  done
+  tar czf "$OUT/sweep.tgz" -C "$C/runs" "${files[@]}" -C "$C" sweep-logs && ls -la "$OUT/sweep.tgz"
 }
 
 step() {
@@ -261,6 +334,10 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
       (cd "$C/runs" && tar czf "$OUT/run-$r.tgz" "$r"/routers.safetensors "$r"/lora.safetensors "$r"/summary.json \
         "$r"/stage*/curve.* "$r"/stage*/stage*.json $(ls -d "$r"/quality 2>/dev/null))
     done; ls -la "$OUT" ;;
+  sweep1)  # exit 75: some runs paused or not started; repeat sweep1
+    sweep_train ;;
+  sweep2)  # exit 75: some runs not scored yet; repeat sweep2 (after sweep1 if a run is not trained)
+    sweep_quality ;;
   *) echo "unknown step $1 (the list is at the top of scripts/gpu_calls.sh)"; return 2 ;;
   esac
 }

@@ -465,6 +465,39 @@ def test_gpu_calls_use_existing_options():
     assert seen_e2e >= 8
 
 
+def test_gpu_calls_sweep_runs_parse():
+    """The capacity sweep's steps (sweep1 / sweep2 in scripts/gpu_calls.sh): every one of its 12 runs is a
+    command line the recipe parses (WIDE / SkipGPT-style / static x 4 capacities, one budget), and the quality
+    calls use options `wide eval quality` has."""
+    import argparse
+    import re
+    import subprocess
+
+    from wide_compile.eval.quality import add_arguments
+    from wide_compile.training import recipe
+
+    text = (ROOT / "scripts" / "gpu_calls.sh").read_text()
+    assert re.search(r"^#   sweep1, sweep2 ", text, re.M) and "  sweep1)" in text and "  sweep2)" in text
+    defs = text[text.index("SWEEP_CAPS="):text.index("\n}\n", text.index("sweep_runs() {")) + 3]
+    lines = subprocess.run(["bash", "-c", defs + "sweep_runs"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    methods = {}
+    for line in lines:
+        name, cap, *args = line.split()
+        a = recipe.parse(["--capacity", cap, "--out", f"runs/{name}", *args])
+        methods.setdefault(a.baseline, []).append(a.capacity)
+        assert (a.batch_size, a.s1_epochs, a.s2_epochs) == (16, 0.1, 0.05), line  # one equal budget
+    assert methods == {b: [0.3, 0.5, 0.7, 0.85] for b in ("none", "skipgpt", "static")}
+    assert len({line.split()[0] for line in lines}) == 12
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    known = {s for act in ap._actions for s in act.option_strings}
+    fn = text[text.index("one_quality() {"):text.index("\n}\n", text.index("one_quality() {"))]
+    quality_args = re.search(r'^SWEEP_QUALITY_ARGS="([^"]*)"', text, re.M).group(1)
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", fn + " " + quality_args))
+    assert flags and flags <= known, flags - known
+
+
 def test_gqa_decode_attention_matches_sdpa_in_decode():
     """e2e/attention.py's gqa_decode: transformers' SDPA logits in prefill and in decode steps against a
     static cache (the unwritten tail masked), where it runs wide.attn_decode with every head on; the WIDE

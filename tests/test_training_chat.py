@@ -133,3 +133,82 @@ def test_skipgpt_baseline_has_one_group_per_module():
     _apply_baseline("skipgpt", model, c1, c2)
     cfg = c1.wide_config(model)
     assert cfg.head_group_size == model.config.num_attention_heads and cfg.ffn_group_size == 512
+
+
+class _IntTokenizer:
+    """Text of space-separated token ids -> those ids (the smoke model has no tokenizer)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+
+def _executed_fraction(model, routers, windows) -> float:
+    """Reference capacity: per scored token, executed linear FLOPs over dense, from the recorded masks and the
+    DESIGN.md accounting written out (k, v always; q, o per head group; gate, up, down per FFN group; routers)."""
+    from wide_compile.routing import record_masks, routed
+
+    c = model.config
+    hd = c.hidden_size // c.num_attention_heads
+    qo, kv = 4 * c.hidden_size * c.num_attention_heads * hd, 4 * c.hidden_size * c.num_key_value_heads * hd
+    ffn = 6 * c.hidden_size * c.intermediate_size
+    ra, rf = routers.flops_per_token()
+    executed, tokens = 0.0, 0
+    with routed(model, routers), record_masks(model) as rec, torch.no_grad():
+        for w in windows:
+            model(input_ids=w[None])
+    for k in range(len(windows)):
+        for i in range(c.num_hidden_layers):
+            fa = rec["attn"][i][k][0, 1:].double().mean(-1)  # [S-1]: the scored tokens' active head-group share
+            ff = rec["ffn"][i][k][0, 1:].double().mean(-1)
+            executed += float((kv + ra[i] + rf[i] + fa * qo + ff * ffn).sum())
+        tokens += windows[k].numel() - 1
+    return executed / (tokens * c.num_hidden_layers * (qo + kv + ffn))
+
+
+@pytest.mark.parametrize("baseline", ["static", "skipgpt"])
+def test_baseline_run_gives_a_quality_record_with_its_measured_capacity(tmp_path, baseline):
+    """recipe --baseline static|skipgpt -> its routers + LoRA load as `wide eval quality` loads them -> the ppl
+    record carries the FLOP-weighted capacity measured on the scored tokens -> the capacity sweep reads it."""
+    import argparse
+    import copy
+    import sys
+    from pathlib import Path
+
+    from wide_compile.eval import quality_metrics, records
+    from wide_compile.eval.quality import Models
+    from wide_compile.routing import Routers
+    from wide_compile.training import recipe
+    from wide_compile.training.options import smoke_model_and_tokens
+    from wide_compile.training.stage2 import load_lora_merged
+
+    run = tmp_path / "run"
+    assert recipe.main(["--smoke", "--baseline", baseline, "--capacity", "0.5", "--out", str(run),
+                        "--s1-epochs", "0.01", "--s2-epochs", "0.01", "--s1-eval-every", "100", "--s2-eval-every", "100",
+                        "--s1-eval-blocks", "2", "--s2-eval-blocks", "2", "--s1-calib-blocks", "4"]) == 0
+    model, toks = smoke_model_and_tokens("cpu")
+    routers = Routers.load(run / "routers.safetensors", model)  # as wide_compile/eval/quality.py loads them
+    wide = load_lora_merged(copy.deepcopy(model), run / "lora.safetensors")
+    (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
+    ids = torch.as_tensor(toks[-64 * 5:])
+    (tmp_path / "data" / "wikitext-2" / "wiki.test.raw").write_text(" ".join(map(str, ids.tolist())))
+    models = Models(model, wide, routers, _IntTokenizer(), {"model": {"name": "smoke"}, "dtype": "float32"})
+    a = argparse.Namespace(ctx=64, stride=64, batch_size=2, max_tokens=None, dense_cache="none", device="cpu")
+    result, settings = quality_metrics.run_ppl(models, a, tmp_path / "data")
+    rec = records.make_record("ppl", result, command="test", models=models.describe, settings=settings, device="cpu")
+    records.write_record(run / "quality", rec)
+
+    cap = result["wide"]["capacity"]
+    assert cap["tokens"] == 5 * 63
+    assert cap["overall"] == pytest.approx(_executed_fraction(wide, routers, list(ids.reshape(5, 64))), abs=1e-6)
+    if baseline == "static":  # constant masks: no router FLOPs, the same share for every token, at the target
+        assert routers.kind == "constant" and routers.flops_per_token() == ([0, 0], [0, 0])
+        assert abs(cap["overall"] - 0.5) < 0.03
+    else:  # one bit per module
+        assert routers.cfg.num_head_groups(routers.spec) == 1 and routers.cfg.num_ffn_groups(routers.spec) == 1
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import capacity_sweep
+
+    got = capacity_sweep.load_run(run)
+    assert got.method == {"static": "static", "skipgpt": "SkipGPT-style"}[baseline] and got.target == 0.5
+    assert got.capacity == pytest.approx({k: cap[k] for k in ("overall", "attn", "ffn")})
