@@ -91,13 +91,12 @@ export WIDE_DATA_DIR=$C/data
 CAP=${CAP:-0.5}
 RUN=${RUN:-c$CAP}
 
-# The capacity sweep's budget. One epoch of the train split is about 1650 steps of 16 x 512 tokens (13.5 M
-# tokens); --s1-epochs 0.1 --s2-epochs 0.05 are about 165 + 82 steps (1.35 M + 0.67 M tokens) per run. The WIDE
-# and SkipGPT-style runs train both stages (8 x 2.0 M tokens), the static runs stage 2 only (4 x 0.67 M): 18.9 M
-# tokens in all, sized for about 65k fwd+bwd tokens/s on one H100 shared by the processes (about 290 s), plus
-# each process's start, held-out evaluations and calibration: one sweep1 call. Four processes at batch 16
-# share the 80 GB (five are at its edge: budget3m-c0.5/README.md in benchmarks/results/quality-smollm2).
-# Quality runs one run at a time at batch 8, about 25 s each: the 12 take a call of their own (sweep2).
+# The capacity sweep's budget: --s1-epochs 0.1 --s2-epochs 0.05 at batch 16 x 512 tokens per run. The WIDE and
+# SkipGPT-style runs train both stages, the static runs stage 2 only; all 12 share one GPU, four processes at
+# a time (the memory that five runs at batch 16 need is at the card's edge:
+# benchmarks/results/quality-smollm2/budget3m-c0.5/README.md), and sweep1 pauses (exit 75, re-run to go on)
+# when its call's time is up. Quality runs one run at a time at batch 8 (parallel runs at batch 32 ran out of
+# memory), in a call of its own (sweep2).
 SWEEP_CAPS=${SWEEP_CAPS:-0.3 0.5 0.7 0.85}
 SWEEP_ARGS=${SWEEP_ARGS:---batch-size 16 --s1-epochs 0.1 --s2-epochs 0.05}
 SWEEP_PARALLEL=${SWEEP_PARALLEL:-4}
