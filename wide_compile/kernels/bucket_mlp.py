@@ -390,24 +390,27 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
     cols = n * BN + tl.arange(0, BN)
     cvalid = cols < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in range(0, n_groups):  # K = the prototype's active groups only
+    # K = the prototype's active groups only, KT tiles of BK per group, as one flat loop: the pipeliner then
+    # buffers one A and one W tile per stage (a static loop over a group's tiles would buffer all of them)
+    KT: tl.constexpr = (GS + BK - 1) // BK
+    for i in range(0, n_groups * KT):
+        j = i // KT
         g = tl.load(pgroups_ptr + p * G + j)
-        for kk in tl.static_range(0, GS, BK):
-            kin = kk + tl.arange(0, BK)
-            kv = kin < GS
-            if COMPACT_A:
-                a = tl.load(a_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)              # [BM, BK]
-            else:
-                use = tvalid
-                if UNION:
-                    use = use & id_ok & (tl.load(protos_ptr + bt * G + g, mask=tvalid & id_ok, other=0) != 0)
-                a = tl.load(a_rows + (g * GS + kin)[None, :], mask=use[:, None] & kv[None, :], other=0.0)
-            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + (g * GS + kin)[:, None] * stride_wk,
-                        mask=kv[:, None] & cvalid[None, :], other=0.0)                                # [BK, BN]
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PREC)
+        kin = (i % KT) * BK + tl.arange(0, BK)
+        kv = kin < GS
+        if COMPACT_A:
+            a = tl.load(a_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)                  # [BM, BK]
+        else:
+            use = tvalid
+            if UNION:
+                use = use & id_ok & (tl.load(protos_ptr + bt * G + g, mask=tvalid & id_ok, other=0) != 0)
+            a = tl.load(a_rows + (g * GS + kin)[None, :], mask=use[:, None] & kv[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + (g * GS + kin)[:, None] * stride_wk,
+                    mask=kv[:, None] & cvalid[None, :], other=0.0)                                    # [BK, BN]
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)[None, :]
     acc = tl.where(p == P, float("nan"), acc)  # bucket P: ids outside [0, P)
