@@ -39,7 +39,9 @@ def calibrate_groups_(routers, model, input_ids: torch.Tensor, capacity: float |
         for i, r in enumerate(getattr(routers, kind)):
             if not hasattr(r, "margin_bias"):
                 raise ValueError("calibrate_ needs learned (GroupRouter / PairRouter / CodebookRouter) routers")
-            if r.margin_bias().shape[-1:] != (r.groups,):
+            # a codebook's per-group margins are its prototype logits (its margin_bias is the width tilt)
+            bias = r.prototypes if hasattr(r, "prototypes") else r.margin_bias()
+            if bias.shape[-1:] != (r.groups,):
                 raise ValueError(f"calibrate_ sets one margin per group; {type(r).__name__} has one margin per "
                                  "router: use calibrate_offset_ (one offset per router kind)")
             lg = rec[kind][i].reshape(-1, r.groups).float()
@@ -49,7 +51,6 @@ def calibrate_groups_(routers, model, input_ids: torch.Tensor, capacity: float |
             q = torch.quantile(lg, 1.0 - rate, dim=0) if rate < 1 else lg.min(0).values - 1.0
             if hasattr(r, "prototypes"):  # a codebook's logits take P values per group: cut between two
                 q = _cut_between_values(lg, rate)
-            bias = r.margin_bias()
             bias -= q.to(bias.dtype)
     return routers
 
