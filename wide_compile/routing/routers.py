@@ -164,10 +164,11 @@ class CodebookRouter(_RouterBase):
     prototypes [P, G] are logits (the hard prototype is logits > 0); the scorer maps h[..., D] to scores
     [..., P] (linear D -> P, or D -> rank -> P when rank > 0). forward returns the chosen prototype's logits
     row (float32 [..., G], execute iff > 0), so the mask is always one of the P prototype masks. The token
-    takes the argmax of scores + tilt * width (width [P]: the fraction of groups each hard prototype keeps);
-    `tilt` (a buffer, 0 until calibrated) is the margin capacity calibration moves (`margin_bias`): it moves
-    tokens one at a time between wider and narrower prototypes and leaves the learned prototypes as they are
-    (shifting the prototype logits instead would flip a group for every token of a prototype at once).
+    takes the argmax of scores + tilt * width (width [P]: the fraction of groups each hard prototype keeps).
+    Capacity calibration moves two margins: the prototype logits (`margin_bias`, coarse: a shift flips a group
+    for every token of a prototype at once, so capacity moves in steps), then `tilt` (`tilt_margin`, a buffer,
+    0 until calibrated), which moves tokens one at a time between wider and narrower prototypes and leaves the
+    prototypes as they are.
     `relaxed`: hard Gumbel-softmax over the P scores times the hard
     prototype bits in the forward; the backward is that of softmax((scores + g) / tau) @ sigmoid(prototypes
     / tau) (straight through the pick and the bits together), so gradients reach the scorer and the
@@ -191,7 +192,12 @@ class CodebookRouter(_RouterBase):
         return 2 * self.dim * self.num_prototypes
 
     def margin_bias(self) -> torch.Tensor:
-        """The width tilt (a 0-dim buffer): raising it never narrows any token's prototype."""
+        """The prototype logits [P, G]: raising them by d (broadcast over P) raises every token's logits by d."""
+        return self.prototypes
+
+    def tilt_margin(self) -> torch.Tensor:
+        """The width tilt (a 0-dim buffer): raising it never narrows any token's prototype (calibration's fine
+        step, after the prototype logits' coarse one)."""
         return self.tilt
 
     def _scorer_tensors(self):
