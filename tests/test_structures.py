@@ -297,7 +297,7 @@ def test_compiled_form_b_inserts_structured_routers(cfg):
     assert ex.graphs[0].form == "dense+routers" and ex.counts["insert_routers.inserted"] == 4 * len(ex.graphs)
 
 
-@pytest.mark.parametrize("cfg,fn", [(CB, fns.codebook_router_mask), (CB_WIDE, fns.codebook_lowrank_router_mask),
+@pytest.mark.parametrize("cfg,fn", [(CB, fns.codebook_router_mask), (CB_WIDE, fns.codebook_router_mask),
                                     ("nested", fns.nested_router_mask)])
 def test_graph_form_is_the_forward_decision(cfg, fn):
     if cfg == "nested":
@@ -508,3 +508,32 @@ def test_nested_attention_order_keeps_kv_heads_together():
     for a in r.attn:
         kv = (a.order // 2).tolist()
         assert kv[0] == kv[1] and kv[2] == kv[3] and sorted(a.order.tolist()) == [0, 1, 2, 3]
+
+
+def test_codebook_calibration_lands_on_the_target_when_prototype_logits_sit_near_zero():
+    """The state a trained codebook reaches (prototype logits pushed to near 0 by the capacity loss) on the smoke
+    model (training.options.smoke_model_and_tokens): a uniform shift of the prototype logits moves capacity in
+    steps (a group flips for every token of a prototype), so calibration follows it with the width tilt and the
+    deterministic capacity lands within 0.01 of each target (0.003 is the bisection's own tolerance; 0.01 leaves
+    room for one token of the 4 x 48 calibration tokens switching prototype per step)."""
+    from wide_compile.routing.calibrate import calibrate_offset_, deterministic_capacity
+    from wide_compile.training.options import smoke_model_and_tokens
+
+    model, toks = smoke_model_and_tokens("cpu", n_tokens=4 * 48)
+    blocks = torch.as_tensor(toks).reshape(4, 48)
+    routers = wc.Routers.init(model, CB_WIDE, seed=11)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for r in every_router(routers):
+            r.prototypes.copy_(torch.randn(r.prototypes.shape, generator=g) * 0.05)
+    calibrate_offset_(model, routers, blocks, 0.5, tol=0.003, log=lambda *_: None, target_attn=0.55,
+                      target_ffn=0.45)
+    cap = deterministic_capacity(model, routers, blocks)
+    assert cap["attn"] == pytest.approx(0.55, abs=0.01) and cap["ffn"] == pytest.approx(0.45, abs=0.01)
+    assert any(float(r.tilt) != 0.0 for r in every_router(routers))
+    # the tilt only moves tokens between the learned prototypes: the prototype masks are those of the shift
+    with wc.routing.routed(model, routers), wc.routing.record_masks(model) as rec:
+        model(input_ids=blocks)
+    r = routers.ffn[0]
+    picked = rec["ffn"][0][0].reshape(-1, r.groups)
+    assert all(any(torch.equal(m, p) for p in r.prototypes > 0) for m in picked)

@@ -134,15 +134,17 @@ def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int,
     return best, cap0, seen[best]
 
 
-def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int) -> tuple[float, float, float]:
+def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int) -> tuple[float, float, float, str]:
     """The margin offset, then for codebooks the width tilt (`tilt_margin`): shifting prototype logits moves
     capacity in steps (a group of a prototype flips for all its tokens), the tilt then moves single tokens
-    between narrower and wider prototypes to close what the step left. Returns (offset, before, after)."""
+    between narrower and wider prototypes to close what the step left. Returns (offset, before, after, a note
+    on the tilt for the log)."""
     off, c0, c1 = _bisect_offset(rs, measure, target, tol, iters)
     tilted = [r for r in rs if hasattr(r, "tilt_margin")]
-    if tilted and abs(c1 - target) > tol:
-        _, _, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
-    return off, c0, c1
+    if not tilted or abs(c1 - target) <= tol:
+        return off, c0, c1, ""
+    tilt, c_off, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
+    return off, c0, c1, f" (codebook width tilt {tilt:+.3f}: {c_off:.4f} -> {c1:.4f})"
 
 
 @torch.no_grad()
@@ -159,14 +161,14 @@ def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: 
         return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
 
     if target_attn is None and target_ffn is None:
-        off, c0, c1 = _calibrate_kind(learned_routers(routers), measure("overall"), target, tol, iters)
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers), measure("overall"), target, tol, iters)
         if c1 != c0:
-            log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target})")
+            log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target}){note}")
         return off
     out = {}
     for kind, tgt in (("attn", target_attn), ("ffn", target_ffn)):
         tgt = target if tgt is None else tgt
-        off, c0, c1 = _calibrate_kind(learned_routers(routers, kind), measure(kind), tgt, tol, iters)
-        log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt})")
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(kind), tgt, tol, iters)
+        log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
         out[kind] = off
     return out
