@@ -330,7 +330,7 @@ def test_stage1_trains_codebook_routers():
     r = train_stage1(model, blocks, cfg, progress=False, log=lambda *_: None)
     assert r.train_status == "done" and r.cfg.structure == "codebook"
     assert all(isinstance(x, CodebookRouter) for x in every_router(r))
-    for name, before in start.state_dict().items():
+    for name, before in start.named_parameters():
         assert not torch.equal(r.state_dict()[name], before), name  # scorers and prototypes all moved
     assert r.train_history[-1]["cap"] < r.train_history[0]["cap"]
 
@@ -537,3 +537,20 @@ def test_codebook_calibration_lands_on_the_target_when_prototype_logits_sit_near
     r = routers.ffn[0]
     picked = rec["ffn"][0][0].reshape(-1, r.groups)
     assert all(any(torch.equal(m, p) for p in r.prototypes > 0) for m in picked)
+
+
+def test_codebook_checkpoint_without_tilt_loads_with_tilt_zero(tmp_path):
+    """Codebook checkpoints saved before the width tilt existed load with tilt 0 (the same picks)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    routers = codebook_routers(model, CB, 5)
+    routers.save(tmp_path / "cb.safetensors")
+    with safe_open(str(tmp_path / "cb.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if not k.endswith(".tilt")}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta)
+    loaded = wc.Routers.load(tmp_path / "old.safetensors", model)
+    assert all(float(r.tilt) == 0.0 for r in every_router(loaded))
+    h = torch.randn(3, 5, 64)
+    assert torch.equal(loaded.ffn[0](h), routers.ffn[0](h))
