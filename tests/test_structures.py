@@ -297,7 +297,7 @@ def test_compiled_form_b_inserts_structured_routers(cfg):
     assert ex.graphs[0].form == "dense+routers" and ex.counts["insert_routers.inserted"] == 4 * len(ex.graphs)
 
 
-@pytest.mark.parametrize("cfg,fn", [(CB, fns.codebook_router_mask), (CB_WIDE, fns.codebook_lowrank_router_mask),
+@pytest.mark.parametrize("cfg,fn", [(CB, fns.codebook_router_mask), (CB_WIDE, fns.codebook_router_mask),
                                     ("nested", fns.nested_router_mask)])
 def test_graph_form_is_the_forward_decision(cfg, fn):
     if cfg == "nested":
@@ -330,7 +330,7 @@ def test_stage1_trains_codebook_routers():
     r = train_stage1(model, blocks, cfg, progress=False, log=lambda *_: None)
     assert r.train_status == "done" and r.cfg.structure == "codebook"
     assert all(isinstance(x, CodebookRouter) for x in every_router(r))
-    for name, before in start.state_dict().items():
+    for name, before in start.named_parameters():
         assert not torch.equal(r.state_dict()[name], before), name  # scorers and prototypes all moved
     assert r.train_history[-1]["cap"] < r.train_history[0]["cap"]
 
@@ -508,3 +508,49 @@ def test_nested_attention_order_keeps_kv_heads_together():
     for a in r.attn:
         kv = (a.order // 2).tolist()
         assert kv[0] == kv[1] and kv[2] == kv[3] and sorted(a.order.tolist()) == [0, 1, 2, 3]
+
+
+def test_codebook_calibration_lands_on_the_target_when_prototype_logits_sit_near_zero():
+    """The state a trained codebook reaches (prototype logits pushed to near 0 by the capacity loss) on the smoke
+    model (training.options.smoke_model_and_tokens): a uniform shift of the prototype logits moves capacity in
+    steps (a group flips for every token of a prototype), so calibration follows it with the width tilt and the
+    deterministic capacity lands within 0.01 of each target (0.003 is the bisection's own tolerance; 0.01 leaves
+    room for one token of the 4 x 48 calibration tokens switching prototype per step)."""
+    from wide_compile.routing.calibrate import calibrate_offset_, deterministic_capacity
+    from wide_compile.training.options import smoke_model_and_tokens
+
+    model, toks = smoke_model_and_tokens("cpu", n_tokens=4 * 48)
+    blocks = torch.as_tensor(toks).reshape(4, 48)
+    routers = wc.Routers.init(model, CB_WIDE, seed=11)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for r in every_router(routers):
+            r.prototypes.copy_(torch.randn(r.prototypes.shape, generator=g) * 0.05)
+    calibrate_offset_(model, routers, blocks, 0.5, tol=0.003, log=lambda *_: None, target_attn=0.55,
+                      target_ffn=0.45)
+    cap = deterministic_capacity(model, routers, blocks)
+    assert cap["attn"] == pytest.approx(0.55, abs=0.01) and cap["ffn"] == pytest.approx(0.45, abs=0.01)
+    assert any(float(r.tilt) != 0.0 for r in every_router(routers))
+    # the tilt only moves tokens between the learned prototypes: the prototype masks are those of the shift
+    with wc.routing.routed(model, routers), wc.routing.record_masks(model) as rec:
+        model(input_ids=blocks)
+    r = routers.ffn[0]
+    picked = rec["ffn"][0][0].reshape(-1, r.groups)
+    assert all(any(torch.equal(m, p) for p in r.prototypes > 0) for m in picked)
+
+
+def test_codebook_checkpoint_without_tilt_loads_with_tilt_zero(tmp_path):
+    """Codebook checkpoints saved before the width tilt existed load with tilt 0 (the same picks)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    routers = codebook_routers(model, CB, 5)
+    routers.save(tmp_path / "cb.safetensors")
+    with safe_open(str(tmp_path / "cb.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if not k.endswith(".tilt")}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta)
+    loaded = wc.Routers.load(tmp_path / "old.safetensors", model)
+    assert all(float(r.tilt) == 0.0 for r in every_router(loaded))
+    h = torch.randn(3, 5, 64)
+    assert torch.equal(loaded.ffn[0](h), routers.ffn[0](h))

@@ -4,7 +4,8 @@ traces through them, so the graph Inductor sees holds reshapes + the torch.ops.w
 `tuning` is the kernels' tile table as JSON ("" = the device's shipped one; wide_compile.kernels.tuning)."""
 from __future__ import annotations
 
-OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill", "wide_rmsnorm_router")
+OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill", "wide_rmsnorm_router",
+       "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket")
 
 
 def kernels():
@@ -50,6 +51,34 @@ def wide_q_proj_nd(x, w_q, b_q, mask, group_size: int, tuning: str = ""):
 def wide_o_proj_nd(a, w_o_t, b_o, mask, group_size: int, tuning: str = ""):
     lead = a.shape[:-1]
     out = kernels().wide_o_proj(a.reshape(-1, a.shape[-1]), w_o_t, b_o, _flat_mask(mask, lead), group_size, tuning)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def _flat_bucket(bucket, lead):
+    # bucket: [...] prototype ids of the router's tokens -> [T], one per row of the flattened input
+    return bucket.expand(*lead).reshape(-1)
+
+
+def wide_mlp_bucket_nd(x, w_gate, w_up, w_down, bucket, protos, group_size: int, activation: str = "silu"):
+    """x [..., D], w_down [D, F] (down_proj's own weight), bucket [...] int, protos [P, G] bool -> [..., D]."""
+    lead = x.shape[:-1]
+    out = kernels().wide_mlp_bucket(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, _flat_bucket(bucket, lead),
+                                    protos, group_size, activation)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def wide_q_proj_bucket_nd(x, w_q, b_q, bucket, protos, group_size: int):
+    lead = x.shape[:-1]
+    out = kernels().wide_q_proj_bucket(x.reshape(-1, x.shape[-1]), w_q, b_q, _flat_bucket(bucket, lead), protos,
+                                       group_size)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def wide_o_proj_bucket_nd(a, w_o, b_o, bucket, protos, group_size: int):
+    """a [..., Nq], w_o [D, Nq] (o_proj's own weight) -> [..., D]."""
+    lead = a.shape[:-1]
+    out = kernels().wide_o_proj_bucket(a.reshape(-1, a.shape[-1]), w_o, b_o, _flat_bucket(bucket, lead), protos,
+                                       group_size)
     return out.reshape(*lead, out.shape[-1])
 
 

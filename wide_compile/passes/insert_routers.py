@@ -6,7 +6,9 @@ mask multiplies: nothing to insert. A dense graph (e.g. a gpt-fast-style model c
 q's input and the FFN router on gate's input (router_input "normed"), or on the input of the RMSNorm that
 feeds them (router_input "residual": the residual stream before the block's norm); what is inserted is
 the router's own graph form (`router.graph_form()`: the mask function of routing/router_fns and its
-tensors, which become graph constants via get_attr).
+tensors, which become graph constants via get_attr); a structured (codebook / nested) router goes in as its
+bucket form (`router.bucket_form()`: its bucket id per token, its prototype table and
+router_fns.bucket_mask of the two), which match_buckets hands to the bucket ops.
 The number of detected attention blocks and MLPs must each equal routers.spec.num_layers: fewer would drop
 the routing of the blocks not found, more would make routing by layer order ambiguous (RoutingDroppedError,
 naming the candidates the detectors did not match and what the pass needs).
@@ -18,6 +20,7 @@ import warnings
 import torch
 from torch import fx
 
+from ..routing import router_fns as fns
 from ._graph import describe, is_call, is_mul, last_dim, meta, static_rows
 from .base import Pass, PassContext, RoutingDroppedError, WideFallbackWarning, log
 
@@ -85,13 +88,19 @@ def _router_node(ctx: PassContext, router, x, h, tag: str):
         raise ValueError(f"wide_compile: cannot insert a router of type {type(router).__name__} into the graph "
                          "(it has no graph_form; supported: GroupRouter, PairRouter, CodebookRouter, NestedRouter, ConstantRouter, ReplayRouter)")
     m = meta(h)
-    fn, tensors = router.graph_form(m.dtype if m is not None else None, static_rows(h) if m is not None else None)
 
     def const(t, name):
         return ctx.weights.constant(("router", id(t)), f"{tag}_{name}",
                                     lambda: t.detach().to(dev) if dev is not None and dev.type != "meta"
                                     else t.detach(), before=x)
 
+    if hasattr(router, "bucket_form"):
+        (bucket_fn, bts), (table_fn, tts) = router.bucket_form()
+        bucket = ctx.weights.call(bucket_fn, (h, *(const(t, name) for name, t in bts)))
+        table = [const(t, name) for name, t in tts]
+        table = table[0] if table_fn is None else ctx.weights.call(table_fn, tuple(table))
+        return ctx.weights.call(fns.bucket_mask, (bucket, table))
+    fn, tensors = router.graph_form(m.dtype if m is not None else None, static_rows(h) if m is not None else None)
     return ctx.weights.call(fn, (h, *(const(t, name) for name, t in tensors)))
 
 

@@ -20,6 +20,7 @@ from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
 from .fuse_norm_router import FuseNormRouter
 from .insert_routers import InsertRouters
+from .match_buckets import MatchBuckets
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
@@ -31,7 +32,7 @@ def default_passes(sparse_attention: bool = False, fuse_norm_router: bool = Fals
     (benchmarks/results/attention/README.md); `fuse_norm_router` adds fuse_norm_router (each block's RMSNorm
     and router in one wide.rmsnorm_router launch), opt-in until scripts/gpu_calls.sh's `lean` step has timed
     and checked it compiled. It runs last: the earlier passes hold the mask nodes it replaces."""
-    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), RewriteMLP(), RewriteAttention()]
+    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(), RewriteAttention()]
     passes += [RewriteSDPA()] if sparse_attention else []
     return passes + [FuseNormRouter()] if fuse_norm_router else passes
 
@@ -117,12 +118,17 @@ def _summarise(ctx: PassContext) -> None:
             detail = f"G={m.groups} x {m.group_size} channels, {m.activation} gate, {m.form} input"
         if m.reason:
             detail += ("; " if detail else "") + m.reason
+        if m.ops:
+            detail += "; op: " + ", ".join(f"wide.{o}" for o in m.ops.values())
+        if m.bucket_reason:
+            detail += f"; structured router on the free-mask op (mask = protos[bucket]): {m.bucket_reason}"
         if m.paths:
             detail += "; path: " + ", ".join(str(d) for d in m.paths.values())
         if m.router_fused:
             detail += "; norm + router: wide.rmsnorm_router"
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
                       "activation": m.activation, "paths": {k: d.path for k, d in m.paths.items()},
+                      "ops": dict(m.ops), "bucket_reason": m.bucket_reason,
                       "group_size": m.group_size, "detail": detail,
                       "nodes": {k: getattr(m, k).name for k in ("gate", "up", "down")}})
     for a in ctx.attns:
@@ -139,12 +145,17 @@ def _summarise(ctx: PassContext) -> None:
             detail += f"; attention dense ({a.sdpa_reason})"
         if a.reason:
             detail += "; " + a.reason
+        if a.ops:
+            detail += "; ops: " + ", ".join(f"wide.{o}" for o in a.ops.values())
+        if a.bucket_reason:
+            detail += f"; structured router on the free-mask ops (mask = protos[bucket]): {a.bucket_reason}"
         if a.paths:
             detail += "; paths: " + ", ".join(str(d) for d in a.paths.values())
         if a.router_fused:
             detail += "; norm + router: wide.rmsnorm_router"
         r.attn.append({"layer": a.layer, "status": a.status, "form": a.form, "groups": a.groups,
-                       "paths": {k: d.path for k, d in a.paths.items()},
+                       "paths": {k: d.path for k, d in a.paths.items()}, "ops": dict(a.ops),
+                       "bucket_reason": a.bucket_reason,
                        "group_size": a.group_size, "detail": detail, "q_rewritten": a.status == "rewritten" and a.q_ok,
                        "nodes": {"q": a.q.name, "o": a.o.name, "kv": [n.name for n in a.kv]}})
     forms = {m.form for m in ctx.mlps} | {a.form for a in ctx.attns}

@@ -1,8 +1,11 @@
-"""Pass 5: rewrite the routed attention projections (each on the path the cost model picks per token count,
+"""Pass 6: rewrite the routed attention projections (each on the path the cost model picks per token count,
 cost_model.py, recorded in the node's meta["wide_path"]): o -> wide.o_proj (weight transposed once, now, into
 a graph constant w_o_t [Nq, D]), q -> wide.q_proj (inactive head groups' columns exactly 0; only when the
 q -> sdpa path keeps heads apart, see detect_attention). K and V stay dense linears. With a fused qkv linear
-(rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest."""
+(rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest.
+A block whose router is structured (match_buckets) runs wide.o_proj_bucket (on o_proj's own weight [D, Nq]) and
+wide.q_proj_bucket instead; where the bucket ops cannot take it (match_buckets.bucket_refusal) it runs the
+free-mask ops on protos[bucket], and the report says why."""
 from __future__ import annotations
 
 import operator
@@ -10,9 +13,10 @@ import operator
 from torch import fx
 
 from ._graph import _rows_of_slice, erase_unused, last_dim, linear_parts, node_index
-from ._ops import wide_o_proj_nd, wide_q_proj_nd
+from ._ops import wide_o_proj_bucket_nd, wide_o_proj_nd, wide_q_proj_bucket_nd, wide_q_proj_nd
 from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log
-from .rewrite_mlp import weight_rows
+from .match_buckets import bucket_refusal
+from .rewrite_mlp import bucket_decision, weight_rows
 
 
 def _split_fused_kv(ctx: PassContext, a: AttnMatch) -> bool:
@@ -66,27 +70,72 @@ class RewriteAttention(Pass):
                 ctx.fallback("attention", a.o, why, fix, match=a)
                 keep_routing(ctx, a.o, a.o_in, a)
                 continue
+            bucket = _takes_bucket(ctx, a)
             with ctx.gm.graph.inserting_before(a.o):
-                wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
-                tuning, a.paths["o"] = ctx.op_tuning("o", a.o_in, W.tensor(wo).shape[0], nq, a.group_size)
-                new_o = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size, tuning))
-                new_o.meta["wide_path"] = a.paths["o"]
+                new_o = _bucket_o(ctx, a, wo, bo) if bucket else _free_mask_o(ctx, a, wo, bo, nq)
             a.o.replace_all_uses_with(new_o)
             erase_unused(ctx.gm, [a.o, *a.expand_nodes])
             ctx.count("rewrite_attention.o_rewritten")
-            if a.q_ok and order.get(a.mask, -1) > order.get(a.q, 0) and a.mask.op != "get_attr":
+            routing = [a.mask] + ([a.bucket, a.protos] if bucket else [])
+            if a.q_ok and max(order.get(n, -1) for n in routing) > order.get(a.q, 0) and a.mask.op != "get_attr":
                 a.q_ok, a.q_reason = False, "router mask is computed after q"
             if a.q_ok:
                 with ctx.gm.graph.inserting_before(a.q):
-                    wq, bq = weight_rows(ctx, a.q_src)
-                    tuning, a.paths["q"] = ctx.op_tuning("q", a.x, W.tensor(wo).shape[0], nq, a.group_size)
-                    new_q = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
-                    new_q.meta["wide_path"] = a.paths["q"]
+                    new_q = _bucket_q(ctx, a) if bucket else _free_mask_q(ctx, a, wo, nq)
                 a.q.replace_all_uses_with(new_q)
                 erase_unused(ctx.gm, [a.q])
                 if q_rows is not None and not _split_fused_kv(ctx, a):
                     a.q_reason = "fused qkv: its q columns are computed again in the fused linear"
                 ctx.count("rewrite_attention.q_rewritten")
             a.status = "rewritten"
-            log.info("wide: layer %d: attention -> wide.o_proj%s (%d head groups of %d columns), K/V dense",
-                     a.layer, " + wide.q_proj" if a.q_ok else "", a.groups, a.group_size)
+            log.info("wide: layer %d: attention -> wide.%s%s (%d head groups of %d columns), K/V dense",
+                     a.layer, a.ops["o"], f" + wide.{a.ops['q']}" if a.q_ok else "", a.groups, a.group_size)
+
+
+def _takes_bucket(ctx: PassContext, a: AttnMatch) -> bool:
+    """The block has a structured router and the bucket ops take it (else the reason goes on the match)."""
+    if a.bucket is None:
+        return False
+    a.bucket_reason = bucket_refusal(a, a.o_in)
+    if a.bucket_reason:
+        ctx.count("rewrite_attention.bucket_refused")
+        log.warning("wide: layer %d: attention: structured router on the free-mask ops (mask = protos[bucket]): %s",
+                    a.layer, a.bucket_reason)
+    return not a.bucket_reason
+
+
+def _free_mask_o(ctx: PassContext, a: AttnMatch, wo, bo, nq):
+    W = ctx.weights
+    wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
+    tuning, a.paths["o"] = ctx.op_tuning("o", a.o_in, W.tensor(wo).shape[0], nq, a.group_size)
+    new = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size, tuning))
+    new.meta["wide_path"] = a.paths["o"]
+    a.ops["o"] = "o_proj"
+    return new
+
+
+def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq):
+    W = ctx.weights
+    wq, bq = weight_rows(ctx, a.q_src)
+    tuning, a.paths["q"] = ctx.op_tuning("q", a.x, W.tensor(wo).shape[0], nq, a.group_size)
+    new = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
+    new.meta["wide_path"] = a.paths["q"]
+    a.ops["q"] = "q_proj"
+    return new
+
+
+def _bucket_o(ctx: PassContext, a: AttnMatch, wo, bo):
+    new = ctx.weights.call(wide_o_proj_bucket_nd, (a.o_in, wo, bo, a.bucket, a.protos, a.group_size))
+    a.paths["o"] = new.meta["wide_path"] = bucket_decision("o", a.o_in)
+    a.ops["o"] = "o_proj_bucket"
+    ctx.count("rewrite_attention.o_bucket")
+    return new
+
+
+def _bucket_q(ctx: PassContext, a: AttnMatch):
+    wq, bq = weight_rows(ctx, a.q_src)
+    new = ctx.weights.call(wide_q_proj_bucket_nd, (a.x, wq, bq, a.bucket, a.protos, a.group_size))
+    a.paths["q"] = new.meta["wide_path"] = bucket_decision("q", a.x)
+    a.ops["q"] = "q_proj_bucket"
+    ctx.count("rewrite_attention.q_bucket")
+    return new

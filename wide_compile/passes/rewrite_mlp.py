@@ -1,14 +1,18 @@
-"""Pass 4: rewrite each routed gated MLP (gate, up, act, mul, [mask multiply], down) into one wide.mlp call
+"""Pass 5: rewrite each routed gated MLP (gate, up, act, mul, [mask multiply], down) into one wide.mlp call
 with the gate's activation, on the path the cost model picks per token count (cost_model.py; recorded in the
 node's meta["wide_path"]). The down weight is transposed once, now, into a graph constant (w_down_t [F, D]);
-gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy)."""
+gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy).
+A block whose router is structured (match_buckets found its bucket and prototype table) runs
+wide.mlp_bucket instead, on down_proj's own weight [D, F]; where the bucket op cannot take the block
+(match_buckets.bucket_refusal) it runs wide.mlp on the mask protos[bucket], and the report says why."""
 from __future__ import annotations
 
 import operator
 
-from ._graph import erase_unused, last_dim, linear_parts
-from ._ops import wide_mlp_nd
-from .base import GROUPING_FIX, WEIGHTS_FIX, Pass, PassContext, keep_routing, log
+from ._graph import erase_unused, last_dim, linear_parts, static_rows
+from ._ops import wide_mlp_bucket_nd, wide_mlp_nd
+from .base import GROUPING_FIX, WEIGHTS_FIX, MLPMatch, Pass, PassContext, keep_routing, log
+from .match_buckets import bucket_refusal
 
 
 def weight_rows(ctx: PassContext, src: tuple):
@@ -47,13 +51,7 @@ class RewriteMLP(Pass):
                 keep_routing(ctx, m.down, m.prod, m)
                 continue
             with ctx.gm.graph.inserting_before(m.down):
-                wg, _ = weight_rows(ctx, m.gate_src)
-                wu, _ = weight_rows(ctx, m.up_src)
-                wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
-                tuning, m.paths["mlp"] = ctx.op_tuning("mlp", m.x, W.tensor(wd).shape[0], m.groups * m.group_size,
-                                                       m.group_size)
-                new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, tuning, m.activation))
-                new.meta["wide_path"] = m.paths["mlp"]
+                new = _bucket_mlp(ctx, m, wd) if _takes_bucket(ctx, m) else _free_mask_mlp(ctx, m, wd)
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
             m.down.replace_all_uses_with(new)
@@ -61,5 +59,48 @@ class RewriteMLP(Pass):
             erase_unused(ctx.gm, [m.down, *m.expand_nodes, m.prod, m.act, m.gate, m.up, *fused])
             m.status = "rewritten"
             ctx.count("rewrite_mlp.rewritten")
-            log.info("wide: layer %d: gated MLP (%s) -> wide.mlp (%d groups of %d channels)", m.layer, m.activation,
-                     m.groups, m.group_size)
+            log.info("wide: layer %d: gated MLP (%s) -> wide.%s (%d groups of %d channels)", m.layer, m.activation,
+                     m.ops["mlp"], m.groups, m.group_size)
+
+
+def _takes_bucket(ctx: PassContext, m: MLPMatch) -> bool:
+    """The block has a structured router and the bucket op takes it (else the reason goes on the match)."""
+    if m.bucket is None:
+        return False
+    m.bucket_reason = bucket_refusal(m, m.x)
+    if m.bucket_reason:
+        ctx.count("rewrite_mlp.bucket_refused")
+        log.warning("wide: layer %d: gated MLP: structured router on wide.mlp (mask = protos[bucket]): %s", m.layer,
+                    m.bucket_reason)
+    return not m.bucket_reason
+
+
+def _free_mask_mlp(ctx: PassContext, m: MLPMatch, wd):
+    W = ctx.weights
+    wg, _ = weight_rows(ctx, m.gate_src)
+    wu, _ = weight_rows(ctx, m.up_src)
+    wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
+    tuning, m.paths["mlp"] = ctx.op_tuning("mlp", m.x, W.tensor(wd).shape[0], m.groups * m.group_size, m.group_size)
+    new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, tuning, m.activation))
+    new.meta["wide_path"] = m.paths["mlp"]
+    m.ops["mlp"] = "mlp"
+    return new
+
+
+def _bucket_mlp(ctx: PassContext, m: MLPMatch, wd):
+    wg, _ = weight_rows(ctx, m.gate_src)
+    wu, _ = weight_rows(ctx, m.up_src)
+    new = ctx.weights.call(wide_mlp_bucket_nd, (m.x, wg, wu, wd, m.bucket, m.protos, m.group_size, m.activation))
+    m.paths["mlp"] = new.meta["wide_path"] = bucket_decision("mlp", m.x)
+    m.ops["mlp"] = "mlp_bucket"
+    ctx.count("rewrite_mlp.bucket")
+    return new
+
+
+def bucket_decision(op: str, x):
+    """The cost_model.Decision a bucket op records as its path: one kernel for every token count (its tiles:
+    bucket_mlp.CONFIGS)."""
+    from .cost_model import Decision
+
+    return Decision(op=op, T=static_rows(x), path="bucket", rows=[(0, "bucket")], seconds={},
+                    source="structured router")

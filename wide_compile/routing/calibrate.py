@@ -91,37 +91,68 @@ def deterministic_capacity(model, routers, blocks: torch.Tensor, batch_size: int
 
 
 @torch.no_grad()
-def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int) -> tuple[float, float, float]:
-    """Offset o added to the margin biases of `rs` so that measure() == target (monotone non-decreasing
-    in o). Returns (offset, capacity before, capacity after)."""
-    base = [r.margin_bias().detach().clone() for r in rs]
+def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int,
+                   margin=lambda r: r.margin_bias()) -> tuple[float, float, float]:
+    """Offset o added to the margins (`margin(r)`) of `rs` so that measure() == target (monotone
+    non-decreasing in o). Returns (offset, capacity before, capacity after); the offset left set is the one
+    whose capacity came nearest the target (a codebook's capacity moves in steps the target may fall between)."""
+    base = [margin(r).detach().clone() for r in rs]
+    seen: dict[float, float] = {}
 
-    def set_off(o):
+    def set_off(o: float) -> None:
         for r, b in zip(rs, base):
-            r.margin_bias().copy_(b + o)
+            margin(r).copy_(b + o)
 
-    cap0 = cap = measure()
+    def at(o: float) -> float:
+        set_off(o)
+        seen[o] = measure()
+        return seen[o]
+
+    cap0 = at(0.0)
     if abs(cap0 - target) <= tol:
         return 0.0, cap0, cap0
-    lo, hi, off = -12.0, 12.0, 0.0
+    # a margin's scale is its router's (a tilt is in units of score differences): widen the bracket on the
+    # target's side until it holds the target
+    side = -1.0 if cap0 > target else 1.0
+    edge = 12.0 * side
+    for _ in range(3):
+        if (at(edge) - target) * side >= 0:
+            break
+        edge *= 4.0
+    lo, hi = (edge, 0.0) if side < 0 else (0.0, edge)
     for _ in range(iters):
         off = 0.5 * (lo + hi)
-        set_off(off)
-        cap = measure()
+        cap = at(off)
         if abs(cap - target) <= tol:
             break
         if cap > target:
             hi = off
         else:
             lo = off
-    return off, cap0, cap
+    best = min(seen, key=lambda o: (abs(seen[o] - target), abs(o)))
+    set_off(best)
+    return best, cap0, seen[best]
+
+
+def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int) -> tuple[float, float, float, str]:
+    """The margin offset, then for codebooks the width tilt (`tilt_margin`): shifting prototype logits moves
+    capacity in steps (a group of a prototype flips for all its tokens), the tilt then moves single tokens
+    between narrower and wider prototypes to close what the step left. Returns (offset, before, after, a note
+    on the tilt for the log)."""
+    off, c0, c1 = _bisect_offset(rs, measure, target, tol, iters)
+    tilted = [r for r in rs if hasattr(r, "tilt_margin")]
+    if not tilted or abs(c1 - target) <= tol:
+        return off, c0, c1, ""
+    tilt, c_off, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
+    return off, c0, c1, f" (codebook width tilt {tilt:+.3f}: {c_off:.4f} -> {c1:.4f})"
 
 
 @torch.no_grad()
 def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: float = 0.003, iters: int = 18,
                       amp: bool = False, log=print, target_attn: float | None = None,
                       target_ffn: float | None = None, batch_size: int = 8) -> float | dict:
-    """Shift the learned routers' margins so the deterministic capacity on `blocks` equals the targets.
+    """Shift the learned routers' margins so the deterministic capacity on `blocks` equals the targets (codebooks:
+    then their width tilt, see _calibrate_kind).
 
     Without per-kind targets: one global offset for every router, overall capacity == `target` (returns the
     offset). With target_attn / target_ffn: the attention routers' offset brings the attention capacity to
@@ -130,14 +161,14 @@ def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: 
         return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
 
     if target_attn is None and target_ffn is None:
-        off, c0, c1 = _bisect_offset(learned_routers(routers), measure("overall"), target, tol, iters)
-        if off:
-            log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target})")
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers), measure("overall"), target, tol, iters)
+        if c1 != c0:
+            log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target}){note}")
         return off
     out = {}
     for kind, tgt in (("attn", target_attn), ("ffn", target_ffn)):
         tgt = target if tgt is None else tgt
-        off, c0, c1 = _bisect_offset(learned_routers(routers, kind), measure(kind), tgt, tol, iters)
-        log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt})")
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(kind), tgt, tol, iters)
+        log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
         out[kind] = off
     return out

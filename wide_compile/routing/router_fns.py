@@ -74,32 +74,42 @@ def replay_router_mask(h, mask):
     return mask.view(*h.shape[:-1], mask.shape[-1])
 
 
-def codebook_pick(scores, protos):
-    """The logits row [..., G] of each token's prototype: argmax over scores [..., P] (first on ties) indexes
-    the prototype table protos [P, G]."""
-    return F.embedding(scores.argmax(-1), protos)
+def bucket_logits(bucket, table):
+    """The logits row [..., G] of each token's bucket: bucket [...] int (prototype / level id) indexes the table
+    [P, G] (a codebook's prototype logits, a nested router's level logits)."""
+    return F.embedding(bucket, table)
 
 
-def codebook_logits(h, protos, w, b):
-    # h: [..., D], protos: [P, G], w: [P, D], b: [P] -> the chosen prototype's logits [..., G]
-    return codebook_pick(linear_logits(h, w, b), protos)
+def bucket_mask(bucket, table):
+    """bool [..., G]: each token's row of the table, > 0. Equals (table > 0)[bucket], the form the bucket ops take
+    (the pass recognises this function, inserted or traced as embedding(bucket, table) > 0)."""
+    return bucket_logits(bucket, table) > 0
 
 
-def codebook_router_mask(h, protos, w, b):
-    return codebook_logits(h, protos, w, b) > 0
+def prototype_widths(protos):
+    # protos: [P, G] logits -> [P] float32: the fraction of groups each hard prototype (logits > 0) keeps
+    return (protos > 0).to(torch.float32).mean(-1)
+
+
+def codebook_bucket(h, protos, tilt, *scorer):
+    """Each token's prototype id [...]: the argmax (first on ties) of the scores [..., P] plus tilt times each
+    prototype's width (the calibration's margin: raising it never narrows a token's pick)."""
+    s = scorer_scores(h, scorer)
+    return (s + tilt * prototype_widths(protos).to(s.dtype)).argmax(-1)
+
+
+def codebook_logits(h, protos, tilt, *scorer):
+    # h: [..., D], protos: [P, G], scorer: (w [P, D], b) or the rank-r pair -> the chosen prototype's logits
+    return bucket_logits(codebook_bucket(h, protos, tilt, *scorer), protos)
+
+
+def codebook_router_mask(h, protos, tilt, *scorer):
+    return bucket_mask(codebook_bucket(h, protos, tilt, *scorer), protos)
 
 
 def lowrank_scores(h, w_down, b_down, w_up, b_up):
     # h: [..., D] -> [..., r] -> [..., P]
     return F.linear(F.linear(h.to(w_down.dtype), w_down, b_down), w_up, b_up)
-
-
-def codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up):
-    return codebook_pick(lowrank_scores(h, w_down, b_down, w_up, b_up), protos)
-
-
-def codebook_lowrank_router_mask(h, protos, w_down, b_down, w_up, b_up):
-    return codebook_lowrank_logits(h, protos, w_down, b_down, w_up, b_up) > 0
 
 
 def scorer_scores(h, scorer):
@@ -114,13 +124,16 @@ def nested_level(h, tilt, *scorer):
     return (s + tilt * torch.arange(s.shape[-1], device=s.device, dtype=s.dtype)).argmax(-1)
 
 
+def nested_table(pos, widths):
+    """+-30 logits [P, G]: row l keeps the groups whose position in the layer's order pos[g] is below widths[l]."""
+    return torch.where(pos[None, :] < widths[:, None], 30.0, -30.0).to(torch.float32)
+
+
 def nested_logits(h, pos, widths, tilt, *scorer):
-    """+-30 logits [..., G]: group g executes iff its position in the layer's order pos[g] is below the width
-    of the token's level (widths [P], long)."""
-    width = widths[nested_level(h, tilt, *scorer)]  # [...]
-    keep = pos < width.unsqueeze(-1)
-    return torch.where(keep, 30.0, -30.0).to(torch.float32)
+    """+-30 logits [..., G]: group g executes iff pos[g] is below the width of the token's level (widths [P],
+    long)."""
+    return bucket_logits(nested_level(h, tilt, *scorer), nested_table(pos, widths))
 
 
 def nested_router_mask(h, pos, widths, tilt, *scorer):
-    return pos < widths[nested_level(h, tilt, *scorer)].unsqueeze(-1)
+    return bucket_mask(nested_level(h, tilt, *scorer), nested_table(pos, widths))

@@ -163,9 +163,13 @@ class CodebookRouter(_RouterBase):
 
     prototypes [P, G] are logits (the hard prototype is logits > 0); the scorer maps h[..., D] to scores
     [..., P] (linear D -> P, or D -> rank -> P when rank > 0). forward returns the chosen prototype's logits
-    row (float32 [..., G], execute iff > 0), so the mask is always one of the P prototype masks. The
-    prototypes are the margins (`margin_bias`): shifting them shifts every token's logits alike, which is
-    what capacity calibration needs. `relaxed`: hard Gumbel-softmax over the P scores times the hard
+    row (float32 [..., G], execute iff > 0), so the mask is always one of the P prototype masks. The token
+    takes the argmax of scores + tilt * width (width [P]: the fraction of groups each hard prototype keeps).
+    Capacity calibration moves two margins: the prototype logits (`margin_bias`, coarse: a shift flips a group
+    for every token of a prototype at once, so capacity moves in steps), then `tilt` (`tilt_margin`, a buffer,
+    0 until calibrated), which moves tokens one at a time between wider and narrower prototypes and leaves the
+    prototypes as they are.
+    `relaxed`: hard Gumbel-softmax over the P scores times the hard
     prototype bits in the forward; the backward is that of softmax((scores + g) / tau) @ sigmoid(prototypes
     / tau) (straight through the pick and the bits together), so gradients reach the scorer and the
     prototypes."""
@@ -174,6 +178,7 @@ class CodebookRouter(_RouterBase):
         super().__init__()
         self.dim, self.groups, self.num_prototypes, self.rank = dim, groups, prototypes, rank
         self.prototypes = nn.Parameter(torch.zeros(prototypes, groups))
+        self.register_buffer("tilt", torch.zeros(()))
         if rank:
             self.scorer_in = nn.Linear(dim, rank)
             self.scorer = nn.Linear(rank, prototypes)
@@ -190,25 +195,39 @@ class CodebookRouter(_RouterBase):
         """The prototype logits [P, G]: raising them by d (broadcast over P) raises every token's logits by d."""
         return self.prototypes
 
+    def tilt_margin(self) -> torch.Tensor:
+        """The width tilt (a 0-dim buffer): raising it never narrows any token's prototype (calibration's fine
+        step, after the prototype logits' coarse one)."""
+        return self.tilt
+
     def _scorer_tensors(self):
         if self.rank:
             return (("w_down", self.scorer_in.weight), ("b_down", self.scorer_in.bias), ("w_up", self.scorer.weight),
                     ("b_up", self.scorer.bias))
         return (("w", self.scorer.weight), ("b", self.scorer.bias))
 
+    def _tensors(self):
+        return (("protos", self.prototypes), ("tilt", self.tilt), *self._scorer_tensors())
+
     def graph_form(self, dtype=None, rows=None):
-        fn = fns.codebook_lowrank_router_mask if self.rank else fns.codebook_router_mask
-        return fn, (("protos", self.prototypes), *self._scorer_tensors())
+        return fns.codebook_router_mask, self._tensors()
+
+    def bucket_form(self):
+        """((bucket_fn, tensors), (table_fn, tensors)): bucket_fn(h, *tensors) -> prototype id [...] (int64),
+        table_fn(*tensors) -> the prototype logits [P, G] (None: the one tensor is the table); the mask is
+        fns.bucket_mask(bucket, table), the same decision as graph_form's."""
+        return (fns.codebook_bucket, self._tensors()), (None, (("protos", self.prototypes),))
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Prototype scores [..., P] (float32 for fp32 scorers)."""
         return fns.scorer_scores(h, tuple(t for _, t in self._scorer_tensors()))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return fns.codebook_pick(self.scores(h), self.prototypes)
+        return fns.codebook_logits(h, *(t for _, t in self._tensors()))
 
     def relaxed(self, h: torch.Tensor, tau: float, noise: bool) -> torch.Tensor:
         s = self.scores(h).float()  # [..., P]
+        s = s + self.tilt * fns.prototype_widths(self.prototypes.detach())
         if noise:
             u = torch.rand_like(s).clamp_(1e-10, 1 - 1e-7)
             s = s - torch.log(-torch.log(u))  # + Gumbel(0, 1)
@@ -277,6 +296,11 @@ class NestedRouter(_RouterBase):
 
     def graph_form(self, dtype=None, rows=None):
         return fns.nested_router_mask, self._tensors()
+
+    def bucket_form(self):
+        """As CodebookRouter.bucket_form: the level id and the levels' +-30 logits table [P, G]."""
+        t = self._tensors()
+        return (fns.nested_level, t[2:]), (fns.nested_table, t[:2])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return fns.nested_logits(h, *(t for _, t in self._tensors()))
@@ -612,6 +636,9 @@ class Routers(nn.Module):
                                    [tensors[f"ffn.{i}.mask"] for i in range(L)])
         else:
             routers = cls.init(spec, cfg, seed=None)
+        if cfg.structure == "codebook":  # codebooks saved before the width tilt existed: tilt 0, the same picks
+            tensors.update({k: torch.zeros_like(v) for k, v in routers.state_dict().items()
+                            if k.endswith(".tilt") and k not in tensors})
         routers.load_state_dict(tensors, strict=True)
         routers.name = meta.get("name") or None
         return routers
