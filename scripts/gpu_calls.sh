@@ -71,7 +71,8 @@
 #                          RUNS='NAME CAP [ARGS...]; NAME CAP [ARGS...]' runs several at once instead (one
 #                          process each, sharing the GPU; each entry's ARGS replace RECIPE_ARGS)
 #   quality                needs setup: `wide eval quality` (fp32) on that run's routers + LoRA (each of RUNS
-#                          at once); QUALITY_ARGS
+#                          in turn); QUALITY_ARGS replace its metrics and batch size (default: ppl, positions,
+#                          generation at batch 32)
 #   pack                   that run's (RUNS': all) routers, LoRA, summary, curves and quality records as
 #                          $OUT/run-NAME.tgz
 #   sweep1, sweep2         needs setup + tokens: the capacity sweep of issue 19 (benchmarks/capacity_sweep.py):
@@ -133,8 +134,8 @@ one_recipe() {
 # one_quality NAME [CAP ARGS...]: `wide eval quality` on one run's routers + LoRA
 one_quality() {
   python3 -m wide_compile.eval quality --routers "$C/runs/$1/routers.safetensors" \
-    --lora "$C/runs/$1/lora.safetensors" --metrics ppl,positions,generation --dtype float32 \
-    --batch-size 32 --out "$C/runs/$1/quality" ${QUALITY_ARGS:-} > "${LOG_DIR:-$OUT}/quality-$1.log" 2>&1
+    --lora "$C/runs/$1/lora.safetensors" --dtype float32 --out "$C/runs/$1/quality" \
+    ${QUALITY_ARGS:---metrics ppl,positions,generation --batch-size 32} > "${LOG_DIR:-$OUT}/quality-$1.log" 2>&1
   local rc=$?; tail -8 "${LOG_DIR:-$OUT}/quality-$1.log" | sed "s/^/[$1] /"; return $rc
 }
 
@@ -323,9 +324,11 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
   recipe)  # exit 75 = paused at the deadline
     if [ -z "${RUNS:-}" ]; then one_recipe "$RUN" "$CAP" ${RECIPE_ARGS:-}; return; fi
     each_run one_recipe ;;
-  quality)
+  quality)  # one run at a time: evaluations side by side run out of GPU memory
     if [ -z "${RUNS:-}" ]; then one_quality "$RUN"; return; fi
-    each_run one_quality ;;
+    local rc=0 name
+    for name in $(echo "$RUNS" | tr ';' '\n' | awk 'NF {print $1}'); do one_quality "$name" || rc=$?; done
+    return $rc ;;
   pack)
     local runs=$RUN
     [ -n "${RUNS:-}" ] && runs=$(echo "$RUNS" | tr ';' '\n' | awk 'NF {print $1}')
