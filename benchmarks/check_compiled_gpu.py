@@ -11,7 +11,8 @@ Cases (each in its own process, so a crash or hang is recorded as that case's fa
                        token kernels) and 4 x 1 (few-token kernels); tiny llama/mistral/qwen2/smollm2 and, on
                        CUDA, a 2-layer Llama-3.1-8B-shape model
   tiny:<arch>:<routers>:<mode>
-                       live random routers or constant masks: logits (constant masks: max relative error
+                       live random routers or constant masks (mode "sparse-attention": KV-aligned head groups
+                       and optimize(..., sparse_attention=True), so decode attention runs wide.attn_decode): logits (constant masks: max relative error
                        < 3e-2; live routers: >= 90 % of positions within it, since bf16 can flip a decision
                        that sits at 0), every layer rewritten into torch.ops.wide.*, greedy generate() with a
                        static cache (batch 2, left padding) identical; on CUDA also mode="reduce-overhead"
@@ -90,14 +91,20 @@ def replay_verdict(comp, eager, exact, keep=None, margin_db=3.0, enough_db=60.0)
 
 
 def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
-    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random")
+    """mode: None, a torch.compile mode, or "sparse-attention" (KV-aligned head groups, optimize(...,
+    sparse_attention=True): decode steps of generate() run wide.attn_decode over the active KV heads)."""
+    sparse = mode == "sparse-attention"
+    cfg = wc.WideConfig(ffn_group_size=32, head_group_size="kv" if sparse else 1, router_init="random")
+    if sparse:
+        cfg = cfg.for_model(tiny_model(arch, seed=0))
     model = tiny_model(arch, seed=0).to(device=device, dtype=dtype)
     ref = tiny_model(arch, seed=0).to(device=device, dtype=dtype)
     routers = _routers(model, ref, kind, cfg, device)
     wc.attach(ref, routers)
-    c0 = counters()["rewrite_mlp.rewritten"], counters()["rewrite_attention.o_rewritten"]
+    c0 = (counters()["rewrite_mlp.rewritten"], counters()["rewrite_attention.o_rewritten"],
+          counters()["rewrite_sdpa.decode"])
     t0 = time.time()
-    opts = {} if mode is None else {"mode": mode}
+    opts = {"sparse_attention": True} if sparse else {} if mode is None else {"mode": mode}
     cm = wc.optimize(model, routers, **opts)
     res = {"arch": arch, "routers": kind, "mode": mode or "default"}
     with torch.no_grad():
@@ -125,6 +132,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
         res["first_divergence"] = diff[0].tolist() if len(diff) else None
     res["mlp_rewritten"] = counters()["rewrite_mlp.rewritten"] - c0[0]
     res["o_rewritten"] = counters()["rewrite_attention.o_rewritten"] - c0[1]
+    if sparse:  # the decode graphs' attention ran wide.attn_decode
+        res["sdpa_decode_rewritten"] = counters()["rewrite_sdpa.decode"] - c0[2]
     res["explain"] = str(wc.explain(cm)).splitlines()[:4]
     res["capacity"] = round(wc.measure_capacity(ref, ids)["overall"], 3)
     # Constant masks: every position must match. Random per-token routers in bf16: a router logit within
@@ -132,7 +141,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     # the router differently), which changes that token's mask and so its logits by far more than any
     # kernel error; those positions are counted, not hidden (rows_within_tol), and must stay rare.
     close = rel < tol if kind == "constant" else (rows_ok >= 0.9 and agree >= 0.95)
-    res["ok"] = bool(close and res["generate_identical"] and res["mlp_rewritten"] > 0 and res["o_rewritten"] > 0)
+    res["ok"] = bool(close and res["generate_identical"] and res["mlp_rewritten"] > 0 and res["o_rewritten"] > 0
+                     and (not sparse or res["sdpa_decode_rewritten"] > 0))
     res["wall_s"] = round(time.time() - t0, 1)
     return res
 
@@ -269,6 +279,7 @@ def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
         names.append("tiny:llama:bf16x2:default")
     if device.type == "cuda" and not quick:
         names.append("tiny:llama:random:reduce-overhead")
+        names += [f"tiny:{a}:constant:sparse-attention" for a in ("llama", "qwen2")]
     if not quick:
         # greedy generate() identical: in fp32, where compiled and eager router decisions cannot drift apart
         # through bf16 rounding (in bf16 a decision that flips somewhere in a 30-layer model changes the

@@ -23,7 +23,7 @@
 #   check_replay           compiled WIDE == eager reference on replayed masks: kernel and pass error alone
 #                          (tiny archs, a 2-layer 8B-shape model)
 #   check_tiny             live routers and constant masks on the tiny archs: logits, split-bf16 routers,
-#                          greedy generate() with a static cache, mode="reduce-overhead"
+#                          greedy generate() with a static cache, mode="reduce-overhead", sparse_attention=True
 #   check_smollm2          needs setup: the same on the real SmolLM2 (fp32 greedy generate, bf16 replayed masks)
 #   kernels                the kernel table: random, router-fitted and recorded trained-router masks
 #   kernels_sweep          kernel config sweeps (few-token tiles) at density 0.5

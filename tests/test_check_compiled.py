@@ -51,3 +51,11 @@ def test_replay_check_catches_wrong_masks(monkeypatch):
     r = C.check_replay("llama", lambda: wc.models.tiny_model("llama", seed=0), torch.device("cpu"), torch.float32,
                        seqs=((1, 24),))
     assert not r["ok"], r
+
+
+def test_check_tiny_sparse_attention_cpu():
+    """The GPU check's sparse-attention case runs on the CPU too (the ops run their references there): constant
+    masks, KV-aligned groups, and generate()'s decode graphs rewritten to wide.attn_decode."""
+    r = C.check_tiny("llama", "constant", torch.device("cpu"), torch.float32, "sparse-attention")
+    assert r["ok"], r
+    assert r["sdpa_decode_rewritten"] > 0 and r["generate_identical"]
