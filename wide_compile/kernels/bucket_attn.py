@@ -23,18 +23,8 @@ from typing import Optional
 import torch
 
 from . import reference as _ref
-from .bucket_mlp import config_for, gather_k_triton, gather_n_triton, make_lists
+from .bucket_mlp import check_bucket, config_for, gather_k_triton, gather_n_triton, make_lists
 from .reorder import alloc
-
-
-def _check_bucket(bucket, protos, T: int, G: int, name: str) -> int:
-    if protos.dim() != 2 or protos.shape[1] != G or protos.shape[0] < 1 or protos.dtype != torch.bool:
-        raise ValueError(f"{name}: protos must be bool [P, G] with P >= 1 and G = {G} head groups, got {protos.dtype} "
-                         f"{tuple(protos.shape)}")
-    if tuple(bucket.shape) != (T,) or bucket.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: bucket must be int32 or int64 [T] = [{T}] (one prototype id per token), got "
-                         f"{bucket.dtype} {tuple(bucket.shape)}")
-    return protos.shape[0]
 
 
 def check_proj_inputs(inp, w, bias, bucket, protos, group_size: int, name: str, grouped_in: bool) -> tuple:
@@ -50,7 +40,7 @@ def check_proj_inputs(inp, w, bias, bucket, protos, group_size: int, name: str, 
         raise ValueError(f"{name}: group_size {group_size} must divide the grouped size {split}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{name}: bias must be [{N}] or None, got {tuple(bias.shape)}")
-    P = _check_bucket(bucket, protos, T, split // group_size, name)
+    P = check_bucket(bucket, protos, T, split // group_size, name, f"G = {split // group_size} head groups")
     tensors = [inp, w, bucket, protos] + ([bias] if bias is not None else [])
     if len({t.device for t in tensors}) > 1:
         raise ValueError(f"{name}: every tensor must be on one device")

@@ -119,6 +119,18 @@ def n_blocks(T: int, P: int, block_m: int) -> int:
 
 # ----------------------------------------------------------------------------- validation + references
 
+def check_bucket(bucket, protos, T: int, G: int, name: str, groups: str) -> int:
+    """The bucket ids and the prototype table of one call (`groups` says what G counts, for the error);
+    returns P."""
+    if protos.dim() != 2 or protos.shape[1] != G or protos.shape[0] < 1 or protos.dtype != torch.bool:
+        raise ValueError(f"{name}: protos must be bool [P, G] with P >= 1 and {groups}, got {protos.dtype} "
+                         f"{tuple(protos.shape)}")
+    if tuple(bucket.shape) != (T,) or bucket.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: bucket must be int32 or int64 [T] = [{T}] (one prototype id per token), got "
+                         f"{bucket.dtype} {tuple(bucket.shape)}")
+    return protos.shape[0]
+
+
 def check_inputs(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act: str) -> tuple:
     """Shapes, dtypes and devices of one wide.mlp_bucket call; returns (T, D, F, G, P)."""
     if act not in ACT_IDS:
@@ -135,12 +147,7 @@ def check_inputs(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act: 
         raise ValueError(f"mlp_bucket: with x [T, {D}] the weights must be w_gate / w_up [{F}, {D}] and w_down "
                          f"[{D}, {F}] (down_proj.weight), got {tuple(w_gate.shape)}, {tuple(w_up.shape)}, "
                          f"{tuple(w_down.shape)}")
-    if protos.dim() != 2 or protos.shape[1] != G or protos.shape[0] < 1 or protos.dtype != torch.bool:
-        raise ValueError(f"mlp_bucket: protos must be bool [P, G] with P >= 1 and G = F // group_size = {G}, got "
-                         f"{protos.dtype} {tuple(protos.shape)}")
-    if tuple(bucket.shape) != (T,) or bucket.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"mlp_bucket: bucket must be int32 or int64 [T] = [{T}] (one prototype id per token), got "
-                         f"{bucket.dtype} {tuple(bucket.shape)}")
+    check_bucket(bucket, protos, T, G, "mlp_bucket", f"G = F // group_size = {G}")
     if len({x.device, w_gate.device, w_up.device, w_down.device, bucket.device, protos.device}) > 1:
         raise ValueError("mlp_bucket: x, the weights, bucket and protos must be on one device")
     if len({x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}) > 1:

@@ -110,6 +110,23 @@ def _leftover_hint(ctx: PassContext, inner: fx.Node) -> tuple[str, str, str]:
             "down linear")
 
 
+def _kernel_detail(b, plural: bool) -> str:
+    """The report's tail for a block (MLPMatch / AttnMatch): its ops, why a structured router is on the
+    free-mask ops, the kernel paths and the fused norm + router, each as "; ..." (`plural`: the block has
+    several ops)."""
+    s = "s" if plural else ""
+    parts = []
+    if b.ops:
+        parts.append(f"op{s}: " + ", ".join(f"wide.{o}" for o in b.ops.values()))
+    if b.bucket_reason:
+        parts.append(f"structured router on the free-mask op{s} (mask = protos[bucket]): {b.bucket_reason}")
+    if b.paths:
+        parts.append(f"path{s}: " + ", ".join(str(d) for d in b.paths.values()))
+    if b.router_fused:
+        parts.append("norm + router: wide.rmsnorm_router")
+    return "".join("; " + p for p in parts)
+
+
 def _summarise(ctx: PassContext) -> None:
     r = ctx.report
     for m in ctx.mlps:
@@ -118,14 +135,7 @@ def _summarise(ctx: PassContext) -> None:
             detail = f"G={m.groups} x {m.group_size} channels, {m.activation} gate, {m.form} input"
         if m.reason:
             detail += ("; " if detail else "") + m.reason
-        if m.ops:
-            detail += "; op: " + ", ".join(f"wide.{o}" for o in m.ops.values())
-        if m.bucket_reason:
-            detail += f"; structured router on the free-mask op (mask = protos[bucket]): {m.bucket_reason}"
-        if m.paths:
-            detail += "; path: " + ", ".join(str(d) for d in m.paths.values())
-        if m.router_fused:
-            detail += "; norm + router: wide.rmsnorm_router"
+        detail += _kernel_detail(m, plural=False)
         r.mlp.append({"layer": m.layer, "status": m.status, "form": m.form, "groups": m.groups,
                       "activation": m.activation, "paths": {k: d.path for k, d in m.paths.items()},
                       "ops": dict(m.ops), "bucket_reason": m.bucket_reason,
@@ -145,14 +155,7 @@ def _summarise(ctx: PassContext) -> None:
             detail += f"; attention dense ({a.sdpa_reason})"
         if a.reason:
             detail += "; " + a.reason
-        if a.ops:
-            detail += "; ops: " + ", ".join(f"wide.{o}" for o in a.ops.values())
-        if a.bucket_reason:
-            detail += f"; structured router on the free-mask ops (mask = protos[bucket]): {a.bucket_reason}"
-        if a.paths:
-            detail += "; paths: " + ", ".join(str(d) for d in a.paths.values())
-        if a.router_fused:
-            detail += "; norm + router: wide.rmsnorm_router"
+        detail += _kernel_detail(a, plural=True)
         r.attn.append({"layer": a.layer, "status": a.status, "form": a.form, "groups": a.groups,
                        "paths": {k: d.path for k, d in a.paths.items()}, "ops": dict(a.ops),
                        "bucket_reason": a.bucket_reason,
