@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from .compact_mlp import ACT_IDS, fit_shared_memory, gated_act, shared_memory_bytes
+from .compact_mlp import ACT_IDS, fit_shared_memory, gated_act, gather_gemm, shared_memory_bytes
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import DECODE_T, interpreting
 
@@ -335,26 +335,9 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
     else:
         optrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + c[None, :]
         omask = cvalid[None, :]  # padding rows too (act(0) * 0 = 0): the down kernel reads whole blocks
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    if GATED:
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        k = k0 + tl.arange(0, BK)
-        kv = k < D
-        a = tl.load(x_ptr + tok64[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=tvalid[:, None] & kv[None, :], other=0.0)     # [BM, BK]
-        w1 = tl.load(w1_ptr + wrow[:, None] * stride_w1n + k[None, :] * stride_w1k,
-                     mask=cvalid[:, None] & kv[None, :], other=0.0)    # [BN, BK]
-        if UPCAST:  # the Triton CPU interpreter mis-computes half-precision dots: exact upcast to fp32
-            a = a.to(tl.float32)
-            w1 = w1.to(tl.float32)
-        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
-        if GATED:
-            w2 = tl.load(w2_ptr + wrow[:, None] * stride_w2n + k[None, :] * stride_w2k,
-                         mask=cvalid[:, None] & kv[None, :], other=0.0)
-            if UPCAST:
-                w2 = w2.to(tl.float32)
-            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
+    acc1, acc2 = gather_gemm(x_ptr + tok64[:, None] * stride_xm, w1_ptr + wrow[:, None] * stride_w1n,
+                             w2_ptr + wrow[:, None] * stride_w2n, tvalid, cvalid, D, stride_xk, stride_w1k,
+                             stride_w2k, BM, BN, BK, GATED, PREC, UPCAST)
     if GATED:
         y = gated_act(acc1, acc2, ACT)
     else:

@@ -44,6 +44,32 @@ def gated_act(acc1, acc2, ACT: tl.constexpr):
     return y
 
 
+@triton.jit
+def gather_gemm(a_rows, w1_rows, w2_rows, rvalid, cvalid, D, stride_ak, stride_w1k, stride_w2k,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, PREC: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # a_rows [BM, 1]: pointers to the gathered input rows, w1_rows / w2_rows [BN, 1]: to the gathered weight
+    # rows; over K = D -> (acc1 = a @ w1^T, acc2 = a @ w2^T when GATED, else zeros), fp32 [BM, BN]: the K loop of
+    # the gather GEMMs (compact_mlp's and bucket_mlp's)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        kv = k < D
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=rvalid[:, None] & kv[None, :], other=0.0)     # [BM, BK]
+        w1 = tl.load(w1_rows + k[None, :] * stride_w1k, mask=cvalid[:, None] & kv[None, :], other=0.0)  # [BN, BK]
+        if UPCAST:  # the Triton CPU interpreter mis-computes half-precision dots: exact upcast to fp32
+            a = a.to(tl.float32)
+            w1 = w1.to(tl.float32)
+        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
+        if GATED:
+            w2 = tl.load(w2_rows + k[None, :] * stride_w2k, mask=cvalid[:, None] & kv[None, :], other=0.0)
+            if UPCAST:
+                w2 = w2.to(tl.float32)
+            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
+    return acc1, acc2
+
+
 @triton.jit(do_not_specialize=["T"])
 def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     idx_ptr, cnt_ptr, sorted_ptr, ntpp_ptr,
@@ -97,26 +123,9 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
     cols = g * GS + cin
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    if GATED:
-        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        k = k0 + tl.arange(0, BK)
-        kv = k < D
-        a = tl.load(x_ptr + rows64[:, None] * stride_x + k[None, :],
-                    mask=rvalid[:, None] & kv[None, :], other=0.0)
-        w1 = tl.load(w1_ptr + cols64[:, None] * stride_w + k[None, :],
-                     mask=cvalid[:, None] & kv[None, :], other=0.0)
-        if UPCAST:  # the Triton CPU interpreter mis-computes bf16 dots: exact upcast to fp32
-            a = a.to(tl.float32)
-            w1 = w1.to(tl.float32)
-        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
-        if GATED:
-            w2 = tl.load(w2_ptr + cols64[:, None] * stride_w + k[None, :],
-                         mask=cvalid[:, None] & kv[None, :], other=0.0)
-            if UPCAST:
-                w2 = w2.to(tl.float32)
-            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
+    acc1, acc2 = gather_gemm(x_ptr + rows64[:, None] * stride_x, w1_ptr + cols64[:, None] * stride_w,
+                             w2_ptr + cols64[:, None] * stride_w, rvalid, cvalid, D, 1, 1, 1,
+                             BM, BN, BK, GATED, PREC, UPCAST)
     if GATED:
         y = gated_act(acc1, acc2, ACT)
     else:
