@@ -134,13 +134,21 @@ def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int,
     return best, cap0, seen[best]
 
 
-def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int) -> tuple[float, float, float, str]:
+def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int,
+                    coarse: bool = True) -> tuple[float, float, float, str]:
     """The margin offset, then for codebooks the width tilt (`tilt_margin`): shifting prototype logits moves
     capacity in steps (a group of a prototype flips for all its tokens), the tilt then moves single tokens
-    between narrower and wider prototypes to close what the step left. Returns (offset, before, after, a note
-    on the tilt for the log)."""
-    off, c0, c1 = _bisect_offset(rs, measure, target, tol, iters)
+    between narrower and wider prototypes to close what the step left. coarse=False: codebooks keep their
+    prototypes and only the tilt moves (the prototypes of converted routers are what their scorer was built
+    for). Returns (offset, before, after, a note on the tilt for the log)."""
     tilted = [r for r in rs if hasattr(r, "tilt_margin")]
+    if not coarse and tilted:
+        if len(tilted) != len(rs):
+            raise ValueError("calibrate_offset_(coarse=False) moves codebook tilts only; these routers mix "
+                             "codebooks with routers that have no tilt")
+        tilt, c0, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
+        return 0.0, c0, c1, f" (codebook width tilt {tilt:+.3f}, prototypes kept)"
+    off, c0, c1 = _bisect_offset(rs, measure, target, tol, iters)
     if not tilted or abs(c1 - target) <= tol:
         return off, c0, c1, ""
     tilt, c_off, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
@@ -150,9 +158,9 @@ def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int) ->
 @torch.no_grad()
 def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: float = 0.003, iters: int = 18,
                       amp: bool = False, log=print, target_attn: float | None = None,
-                      target_ffn: float | None = None, batch_size: int = 8) -> float | dict:
+                      target_ffn: float | None = None, batch_size: int = 8, coarse: bool = True) -> float | dict:
     """Shift the learned routers' margins so the deterministic capacity on `blocks` equals the targets (codebooks:
-    then their width tilt, see _calibrate_kind).
+    then their width tilt, see _calibrate_kind; coarse=False: the tilt only).
 
     Without per-kind targets: one global offset for every router, overall capacity == `target` (returns the
     offset). With target_attn / target_ffn: the attention routers' offset brings the attention capacity to
@@ -161,14 +169,14 @@ def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: 
         return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
 
     if target_attn is None and target_ffn is None:
-        off, c0, c1, note = _calibrate_kind(learned_routers(routers), measure("overall"), target, tol, iters)
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers), measure("overall"), target, tol, iters, coarse)
         if c1 != c0:
             log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target}){note}")
         return off
     out = {}
     for kind, tgt in (("attn", target_attn), ("ffn", target_ffn)):
         tgt = target if tgt is None else tgt
-        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(kind), tgt, tol, iters)
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(kind), tgt, tol, iters, coarse)
         log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
         out[kind] = off
     return out

@@ -1,0 +1,200 @@
+"""Structured routers converted from free ones (routing/convert.py).
+
+The converted scorer against the agreement computed by hand in float64; the exactness property (a token
+whose free mask is in the table gets exactly that mask); the prototype fit's objective; nested orders and
+prefixes; the end-to-end conversion with calibration on a tiny model; the CLI; clear errors."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import wide_compile as wc
+from wide_compile.models import tiny_model
+from wide_compile.routing import convert as cv
+from wide_compile.routing.attach import record_masks, routed
+from wide_compile.routing.routers import CodebookRouter, GroupRouter, NestedRouter, PairRouter
+
+FREE_WIDE = wc.WideConfig(ffn_group_size=16, head_group_size=1, router_init="random", router_recipe="wide",
+                          router_rank=8, router_input="residual")
+FREE_LIN = wc.WideConfig(ffn_group_size=16, head_group_size=1, router_init="random")
+
+
+def _random_free(model, cfg, seed=0):
+    r = wc.Routers.init(model, cfg, seed=seed)
+    with torch.no_grad():  # nonzero biases everywhere, so the folded down bias is exercised
+        for x in list(r.attn) + list(r.ffn):
+            for p in x.parameters():
+                if p.dim() == 1:
+                    p.normal_(0.0, 0.5)
+    return r
+
+
+def _margins_by_hand(router, h):
+    # float64 margins of a free router
+    if isinstance(router, PairRouter):
+        z = torch.nn.functional.linear(torch.nn.functional.linear(h, router.down.weight.double(),
+                                                                  router.down.bias.double()),
+                                       router.up.weight.double(), router.up.bias.double()).unflatten(-1, (-1, 2))
+        return z[..., 1] - z[..., 0]
+    return torch.nn.functional.linear(h, router.proj.weight.double(), router.proj.bias.double())
+
+
+@pytest.mark.parametrize("cfg", [FREE_WIDE, FREE_LIN], ids=["pair", "linear"])
+def test_converted_scores_are_the_agreement_with_the_free_margins(cfg):
+    model = tiny_model("llama", seed=3)
+    free = _random_free(model, cfg)
+    for r in (free.attn[1], free.ffn[0]):
+        h = torch.randn(257, r.dim, dtype=torch.float64)
+        m = _margins_by_hand(r, h)
+        table = (torch.rand(6, r.groups, generator=torch.Generator().manual_seed(1)) > 0.5).float()
+        cb = cv.codebook_from_router(r, m.float(), 6)
+        with torch.no_grad():
+            cb.prototypes.copy_(torch.where(table > 0, 3.0, -3.0))
+            cv._load_scorer(cb, r, table)
+        want = m @ (2 * table.double() - 1).t()
+        got = copy.deepcopy(cb).double().scores(h)
+        # float64 against float64: the scorer's weights are the products rounded once to fp32
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(cb.scores(h.float()), want.float(), rtol=1e-4, atol=1e-4)  # as routers run
+
+
+@pytest.mark.parametrize("cfg", [FREE_WIDE, FREE_LIN], ids=["pair", "linear"])
+def test_a_token_whose_free_mask_is_a_prototype_gets_exactly_it(cfg):
+    model = tiny_model("llama", seed=4)
+    free = _random_free(model, cfg)
+    r = free.ffn[1]
+    h = torch.randn(300, r.dim)
+    m = r(h).float()
+    distinct = (m > 0).unique(dim=0)
+    # a table of every free mask present (plus one all-off row): each token's own mask is its unique best
+    table = torch.cat([distinct.float(), torch.zeros(1, r.groups)])
+    cb = cv.codebook_from_router(r, m, len(table))
+    with torch.no_grad():
+        cb.prototypes.copy_(torch.where(table > 0, 3.0, -3.0))
+        cv._load_scorer(cb, r, table)
+    torch.testing.assert_close(cb(h) > 0, m > 0, rtol=0, atol=0)
+    # and a nested router whose levels include each token's free mask as a prefix reproduces it too
+    order = torch.argsort((m > 0).float().mean(0), descending=True, stable=True)
+    nr = cv.nested_from_router(r, m, r.groups, order)
+    prefix_ok = ((m > 0) == (nr.pos[None, :] < (m > 0).sum(1, keepdim=True))).all(1)
+    assert prefix_ok.any()
+    torch.testing.assert_close(nr(h)[prefix_ok] > 0, (m > 0)[prefix_ok], rtol=0, atol=0)
+
+
+def test_fit_prototypes_finds_planted_masks_and_never_lowers_the_objective():
+    g = torch.Generator().manual_seed(0)
+    planted = (torch.rand(4, 20, generator=g) > 0.5).float()
+    which = torch.randint(0, 4, (2000,), generator=g)
+    m = (2 * planted[which] - 1) * (0.5 + torch.rand(2000, 20, generator=g))  # margins agreeing with a plant
+    table = cv.fit_prototypes(m, 4, seed=0)
+    assert sorted(map(tuple, table.tolist())) == sorted(map(tuple, planted.tolist()))
+
+    def objective(t):
+        return float(cv.agreement(m.double(), t.double()).max(1).values.sum())
+
+    noisy = m + 2.0 * torch.randn(m.shape, generator=g)
+    obj = [objective(cv.fit_prototypes(noisy, 4, iters=k, seed=1)) for k in (0, 1, 2, 5, 50)]
+    assert obj == sorted(obj) and obj[-1] > obj[0]
+    # more prototypes than distinct masks: still a valid 0/1 table, every token served by its own mask
+    few = cv.fit_prototypes(m, 9, seed=2)
+    assert few.shape == (9, 20) and set(few.unique().tolist()) <= {0.0, 1.0}
+    assert objective(few) == pytest.approx(float(m.abs().sum()), rel=1e-6)
+    with pytest.raises(ValueError, match="prototypes must be >= 1"):
+        cv.fit_prototypes(m, 0)
+
+
+def test_nested_order_is_by_on_rate_and_levels_are_prefixes():
+    model = tiny_model("llama", seed=5)
+    free = _random_free(model, FREE_WIDE)
+    r = free.ffn[0]
+    h = torch.randn(500, r.dim)
+    m = r(h).float()
+    nr = cv.nested_from_router(r, m, 4)
+    assert isinstance(nr, NestedRouter) and nr.levels == 4
+    rate = (m > 0).float().mean(0)[nr.order]
+    assert (rate[:-1] >= rate[1:]).all()
+    # the pick is the level of best agreement, computed by hand
+    lv = nr.level_masks().float()
+    want = (m.double() @ (2 * lv.double() - 1).t()).argmax(1)
+    got_mask = nr(h) > 0
+    torch.testing.assert_close(got_mask, lv.bool()[want], rtol=0, atol=0)
+
+
+def test_non_affine_and_structured_sources_are_errors():
+    model = tiny_model("llama", seed=6)
+    hid = wc.Routers.init(model, dataclasses.replace(FREE_LIN, router_hidden=8))
+    with pytest.raises(ValueError, match="SiLU hidden layer"):
+        cv.codebook_from_router(hid.ffn[0], torch.randn(10, hid.ffn[0].groups), 2)
+    cb = wc.Routers.init(model, wc.WideConfig(ffn_group_size=16, structure="codebook", codebook_size=3))
+    with pytest.raises(ValueError, match="must be free"):
+        cv.structured_from_free(cb, {}, "codebook", 4)
+    free = _random_free(model, FREE_WIDE)
+    with pytest.raises(ValueError, match="'codebook' or 'nested'"):
+        cv.structured_from_free(free, {}, "free", 4)
+
+
+@pytest.mark.parametrize("structure,size", [("codebook", 6), ("nested", 4)])
+def test_convert_routers_end_to_end_matches_free_capacity(structure, size, monkeypatch):
+    from wide_compile.routing import calibrate as cal_mod
+    seen = []
+    real = cal_mod.calibrate_offset_
+    monkeypatch.setattr(cal_mod, "calibrate_offset_", lambda *a, **k: seen.append(k) or real(*a, **k))
+    model = tiny_model("smollm2", seed=7)
+    free = _random_free(model, FREE_WIDE)
+    g = torch.Generator().manual_seed(0)
+    fit = torch.randint(0, 128, (6, 32), generator=g)
+    cal = torch.randint(0, 128, (4, 32), generator=g)
+    free.calibrate_(model, cal, capacity=0.6)  # a free set at a middling capacity
+    out, caps = cv.convert_routers(model, free, structure, size, fit, cal, log=lambda *_: None)
+    assert out.cfg.structure == structure
+    assert [k.get("coarse") for k in seen] == [False]  # the prototypes stay what the scorers were built for
+    # calibration moved only the tilt: the tables are the fitted ones the scorers were built for
+    raw = cv.structured_from_free(free, cv.record_margins(model, free, fit), structure, size)
+    for a, b in zip(list(raw.attn) + list(raw.ffn), list(out.attn) + list(out.ffn)):
+        ta, tb = (a.prototypes, b.prototypes) if structure == "codebook" else (a.level_masks(), b.level_masks())
+        assert torch.equal(ta, tb) and torch.equal(a.scorer.weight, b.scorer.weight)
+    kind = CodebookRouter if structure == "codebook" else NestedRouter
+    assert all(isinstance(x, kind) for x in list(out.attn) + list(out.ffn))
+    for k in ("attn", "ffn"):  # a token-level step is 1 / (tokens * groups): the targets are met closely
+        assert caps["converted"][k] == pytest.approx(caps["free"][k], abs=0.03)
+    # the converted routers attach, and their masks are table rows
+    ids = cal[:2]
+    with routed(model, out), record_masks(model) as rec:
+        model(input_ids=ids)
+    r0 = out.ffn[0]
+    rows = (r0.prototypes > 0) if structure == "codebook" else r0.level_masks()
+    m0 = rec["ffn"][0][0].reshape(-1, r0.groups)
+    assert (m0[:, None, :] == rows[None]).all(-1).any(1).all()
+
+
+def test_convert_keeps_prototypes_and_moves_the_tilt_only():
+    model = tiny_model("llama", seed=8)
+    free = _random_free(model, FREE_WIDE)
+    g = torch.Generator().manual_seed(1)
+    fit = torch.randint(0, 128, (4, 32), generator=g)
+    cal = torch.randint(0, 128, (4, 32), generator=g)
+    margins = cv.record_margins(model, free, fit)
+    out = cv.structured_from_free(free, margins, "codebook", 5)
+    before = [x.prototypes.detach().clone() for x in out.ffn]
+    from wide_compile.routing.calibrate import calibrate_offset_
+    calibrate_offset_(model, out, cal, target=0.3, coarse=False, log=lambda *_: None)
+    assert all(torch.equal(b, x.prototypes) for b, x in zip(before, out.ffn))
+    assert any(float(x.tilt) != 0.0 for x in out.ffn)
+
+
+def test_record_margins_are_the_routers_logits():
+    model = tiny_model("llama", seed=9)
+    free = _random_free(model, FREE_WIDE)
+    ids = torch.randint(0, 128, (3, 11))
+    margins = cv.record_margins(model, free, ids, batch_size=2)
+    assert margins["ffn"][0].shape == (33, free.ffn[0].groups)
+    with routed(model, free), record_masks(model) as rec:
+        model(input_ids=ids)
+    for k in ("attn", "ffn"):
+        for i in range(free.spec.num_layers):
+            torch.testing.assert_close(margins[k][i] > 0, rec[k][i][0].reshape(-1, margins[k][i].shape[1]),
+                                       rtol=0, atol=0)
+    assert isinstance(free.ffn[0], PairRouter) and not isinstance(free.ffn[0], GroupRouter)
