@@ -25,7 +25,7 @@ def test_top_level_help_lists_subcommands(capsys):
         assert sub in out
 
 
-@pytest.mark.parametrize("sub,children", [("train", ["stage1", "stage2", "tokenize"]), ("bench", ["kernels", "e2e"])])
+@pytest.mark.parametrize("sub,children", [("train", ["stage1", "stage2", "tokenize", "convert"]), ("bench", ["kernels", "e2e"])])
 def test_help_describes_subcommands(sub, children, capsys):
     with pytest.raises(SystemExit):
         cli.main([sub, "--help"])

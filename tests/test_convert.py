@@ -198,3 +198,18 @@ def test_record_margins_are_the_routers_logits():
             torch.testing.assert_close(margins[k][i] > 0, rec[k][i][0].reshape(-1, margins[k][i].shape[1]),
                                        rtol=0, atol=0)
     assert isinstance(free.ffn[0], PairRouter) and not isinstance(free.ffn[0], GroupRouter)
+
+
+def test_cli_errors_before_loading_a_model(tmp_path, capsys):
+    from wide_compile.training import convert as cli
+    out = str(tmp_path / "r.safetensors")
+    with pytest.raises(SystemExit, match="neither a shipped router set"):
+        cli.main(["--routers", "no-such-set", "--structure", "codebook", "--size", "8", "--out", out])
+    with pytest.raises(SystemExit, match="no such file"):
+        cli.main(["--routers", "smollm2-135m-c50", "--lora", str(tmp_path / "x"), "--structure", "codebook",
+                  "--size", "8", "--out", out])
+    for bad, says in ((["--size", "1"], "--size must be >= 2"),
+                      (["--size", "8", "--fit-tokens", "100"], "must each hold at least one block")):
+        with pytest.raises(SystemExit):
+            cli.main(["--routers", "smollm2-135m-c50", "--structure", "nested", "--out", out, *bad])
+        assert says in capsys.readouterr().err
