@@ -286,3 +286,29 @@ def test_recipe_command_end_to_end_and_resumed(tmp_path):
     for ph in ("stage1", "stage2"):
         assert (tmp_path / "a" / ph / "curve.png").is_file()
     assert main(["--out", str(tmp_path / "a"), *args]) == 0  # finished: both phases skipped
+
+
+def test_stage2_init_lora_starts_from_a_saved_adapter(tmp_path):
+    # a first stage 2 writes an adapter; a second one with init_lora and lr 0 ends exactly where it started
+    import copy
+    from wide_compile.training.stage2 import load_lora_merged
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    blocks = _blocks()
+    routers = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, capacity=0.5, router_init="random"))
+    c1 = Stage2Config(steps=6, batch_size=4, seq_len=32, lr=1e-2, rank=4, alpha=8, eval_blocks=4, calib_blocks=4)
+    train_stage2(model, routers, blocks, c1, out_dir=tmp_path / "a", **QUIET)
+    first = tmp_path / "a" / "lora.safetensors"
+    # rank / alpha come from the file (here different from the config's)
+    c2 = Stage2Config(steps=2, batch_size=4, seq_len=32, lr=0.0, rank=8, alpha=16, eval_blocks=4, calib_blocks=4,
+                      init_lora=str(first))
+    merged, _, _ = train_stage2(model, routers, blocks, c2, out_dir=tmp_path / "b", **QUIET)
+    want = load_lora_merged(copy.deepcopy(model), first)
+    ids = torch.randint(0, 128, (2, 12))
+    torch.testing.assert_close(merged(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5, rtol=0)
+    assert not torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-3)
+    with pytest.raises(ValueError, match="not a LoRA written by save_lora"):
+        routers.save(tmp_path / "r.safetensors")
+        train_stage2(model, routers, blocks, Stage2Config(steps=1, batch_size=4, seq_len=32, eval_blocks=4,
+                                                          calib_blocks=4, init_lora=str(tmp_path / "r.safetensors")),
+                     **QUIET)

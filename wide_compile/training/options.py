@@ -21,6 +21,10 @@ def _optional_float(s: str):
     return None if s.lower() in ("none", "") else float(s)
 
 
+def _optional_str(s: str):
+    return None if s.lower() in ("none", "") else s
+
+
 def _int_or_kv(s: str):
     return s if s == "kv" else int(s)
 
@@ -40,6 +44,8 @@ def add_config_args(ap: argparse.ArgumentParser, cls, prefix: str = "", skip=("e
             typ = _int_or_kv
         elif "None" in hint and "float" in hint:
             typ = _optional_float
+        elif "None" in hint and "str" in hint:
+            typ = _optional_str
         else:
             typ = hints[f.name]
         ap.add_argument(f"--{prefix}{f.name.replace('_', '-')}", type=typ, default=default, dest=prefix.replace("-", "_") + f.name,

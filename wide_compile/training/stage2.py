@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -56,6 +57,7 @@ class Stage2Config:
     rank: int = 8
     alpha: int = 16
     lora_dropout: float = 0.0
+    init_lora: str | None = None  # a saved LoRA (save_lora) to start from; its rank and alpha replace rank / alpha
     kd_weight: float = 1.0
     lm_weight: float = 0.1
     joint: bool = False          # also train the routers (relaxed, capacity regulariser)
@@ -126,16 +128,23 @@ def apply_lora(model, rank: int = 8, alpha: int = 16, targets=None, dropout: flo
     return get_peft_model(model, cfg)
 
 
-def load_lora_merged(model, path):
-    """Apply the LoRA adapter saved by `save_lora` at `path` to `model` (in place of a copy) and merge it.
-    Returns the merged plain model."""
-    from peft import set_peft_model_state_dict
+def read_lora(path) -> tuple[dict, int, int, list]:
+    """(adapter tensors, rank, alpha, targets) of a LoRA saved by `save_lora`."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
+        meta = f.metadata() or {}
         sd = {k: f.get_tensor(k) for k in f.keys()}
-    return merge_lora(model, sd, int(meta["rank"]), int(meta["alpha"]), json.loads(meta["targets"]))
+    if not {"rank", "alpha", "targets"} <= set(meta):
+        raise ValueError(f"{path} is not a LoRA written by save_lora (its metadata lacks rank / alpha / targets)")
+    return sd, int(meta["rank"]), int(meta["alpha"]), json.loads(meta["targets"])
+
+
+def load_lora_merged(model, path):
+    """Apply the LoRA adapter saved by `save_lora` at `path` to `model` (in place of a copy) and merge it.
+    Returns the merged plain model."""
+    sd, rank, alpha, targets = read_lora(path)
+    return merge_lora(model, sd, rank, alpha, targets)
 
 
 def merge_lora(model, state: dict, rank: int, alpha: int, targets) -> torch.nn.Module:
@@ -247,7 +256,21 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
     torch.manual_seed(cfg.seed)
     model = copy.deepcopy(base_model)
     model.requires_grad_(False)
+    init = None
+    if cfg.init_lora:  # continue a saved adapter (e.g. the one a converted router set was made with)
+        init, rank, alpha, targets = read_lora(cfg.init_lora)
+        if sorted(targets) != sorted(TARGETS):
+            raise ValueError(f"init_lora {cfg.init_lora} adapts {sorted(targets)}; stage 2 trains {sorted(TARGETS)}")
+        if (rank, alpha) != (cfg.rank, cfg.alpha):
+            log(f"stage 2 starts from {cfg.init_lora}: rank {rank}, alpha {alpha} (instead of {cfg.rank}, {cfg.alpha})")
+            cfg = dataclasses.replace(cfg, rank=rank, alpha=alpha)
     pm = apply_lora(model, cfg.rank, cfg.alpha, dropout=cfg.lora_dropout)
+    if init is not None:
+        from peft import set_peft_model_state_dict
+
+        res = set_peft_model_state_dict(pm, {k: v.float() for k, v in init.items()})
+        if getattr(res, "unexpected_keys", None):
+            raise ValueError(f"init_lora {cfg.init_lora}: tensors the model has no place for: {res.unexpected_keys[:3]}")
     for n, p in pm.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()  # fp32 adapters (the base may be bf16)
