@@ -55,6 +55,9 @@
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
 #                          the MLP-block table against dense / static / free masks with its tile sweep into
 #                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
+#   convert_ft             needs setup + tokens: codebook routers converted from the shipped free c50 set, fine-tuned
+#                          in stage 2 with the routers jointly from its LoRA, then scored (CONVERT_RUNS,
+#                          CONVERT_S2_ARGS)
 #   e2e_attention_gqa      the decode rows of e2e_attention with --attention gqa_decode: dense and static decode
 #                          through the same kernel with every head on (the strong dense baseline)
 #   e2e_attention          the attention ops under torch.compile (their tests), then end to end with attention over
@@ -109,6 +112,25 @@ sweep_runs() {
   for cap in $SWEEP_CAPS; do echo "sw-wide-$cap $cap $SWEEP_ARGS"; done
   for cap in $SWEEP_CAPS; do echo "sw-skipgpt-$cap $cap --baseline skipgpt $SWEEP_ARGS"; done
   for cap in $SWEEP_CAPS; do echo "sw-static-$cap $cap --baseline static $SWEEP_ARGS"; done
+}
+
+# convert_ft: structured routers converted from the shipped free c50 set (wide train convert), then stage 2 jointly
+# with the routers, starting from the LoRA the free set was trained with; one line per run: NAME STRUCTURE SIZE
+CONVERT_RUNS=${CONVERT_RUNS:-"cb64 codebook 64; cb16 codebook 16"}
+CONVERT_S2_ARGS=${CONVERT_S2_ARGS:---joint true --router-lr 2e-4 --separate-targets true --tau-start 1.0 --tau-end 1.0 \
+  --noise-off-frac 1.0 --capacity 0.5 --epochs 0.08 --batch-size 16 --eval-every 24 --patience 3}
+
+one_convert_ft() {
+  local name=$1 structure=$2 size=$3 d="$C/runs/$1" lora=wide_compile/pretrained/smollm2-135m-c50.lora.safetensors
+  mkdir -p "$d"
+  [ -f "$d/converted.safetensors" ] || python3 -m wide_compile.training convert --routers smollm2-135m-c50 \
+    --structure "$structure" --size "$size" --out "$d/converted.safetensors" --tokens "$C/tokens.npy" \
+    --gguf "$WIDE_SMOLLM2_GGUF" --device cuda >> "$OUT/convert-$name.log" 2>&1 || return $?
+  # shellcheck disable=SC2086
+  python3 -m wide_compile.training stage2 --routers "$d/converted.safetensors" --init-lora "$lora" --out "$d" \
+    --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-400}" $CONVERT_S2_ARGS \
+    >> "$OUT/convert-$name.log" 2>&1
+  local rc=$?; grep -v "^\s*$" "$OUT/convert-$name.log" | tail -5 | sed "s/^/[$name] /"; return $rc
 }
 
 # e2e LOG_NAME TIMEOUT_S ARGS...: bench_e2e.py under a timeout, its budget 30 s inside it, the log's summary lines
@@ -336,6 +358,21 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
       (cd "$C/runs" && tar czf "$OUT/run-$r.tgz" "$r"/routers.safetensors "$r"/lora.safetensors "$r"/summary.json \
         "$r"/stage*/curve.* "$r"/stage*/stage*.json $(ls -d "$r"/quality 2>/dev/null))
     done; ls -la "$OUT" ;;
+  convert_ft)  # needs setup + tokens; exit 75: a run paused at the deadline, repeat convert_ft
+    local rc=0 entry
+    while read -r entry; do
+      [ -z "${entry// }" ] && continue
+      # shellcheck disable=SC2086
+      one_convert_ft $entry || rc=$?
+    done < <(echo "$CONVERT_RUNS" | tr ';' '\n')
+    for entry in $(echo "$CONVERT_RUNS" | tr ';' '\n' | awk 'NF {print $1}'); do
+      [ -f "$C/runs/$entry/lora.safetensors" ] && QUALITY_ARGS="--metrics ppl,positions,generation --batch-size 8" \
+        one_quality "$entry"
+    done
+    local names; names=$(echo "$CONVERT_RUNS" | tr ';' '\n' | awk 'NF {print $1}')
+    (cd "$C/runs" && tar czf "$OUT/convert-ft.tgz" $(for r in $names; do ls -d "$r"/converted.json "$r"/routers.safetensors \
+      "$r"/lora.safetensors "$r"/stage2.json "$r"/curve.* "$r"/quality 2>/dev/null; done)) && ls -la "$OUT/convert-ft.tgz"
+    return $rc ;;
   sweep1)  # exit 75: some runs paused or not started; repeat sweep1
     sweep_train ;;
   sweep2)  # exit 75: some runs not scored yet; repeat sweep2 (after sweep1 if a run is not trained)
