@@ -29,6 +29,15 @@ def _routers_source(name_or_path: str):
     return p, None
 
 
+def _shown(p) -> str:
+    # a path inside the working directory as a relative one (records stay the same on every checkout)
+    p = Path(p).resolve()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
 def main(argv=None) -> int:
     from ..eval.records import command_line, machine
     from ..models import load_smollm2
@@ -86,7 +95,7 @@ def main(argv=None) -> int:
     out.save(out_path)
     rec = {"command": command_line(argv, prog="wide train convert"),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(a.device),
-           "source": {"routers": str(src), "lora": None if lora is None else str(lora)},
+           "source": {"routers": a.routers, "routers_file": _shown(src), "lora": None if lora is None else _shown(lora)},
            "structure": a.structure, "size": a.size, "fit_tokens": n_fit * a.seq_len,
            "calib_tokens": n_cal * a.seq_len, "capacity": caps, "seconds": round(time.time() - t0, 1)}
     out_path.with_suffix(".json").write_text(json.dumps(rec, indent=1))
