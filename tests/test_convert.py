@@ -134,10 +134,15 @@ def test_non_affine_and_structured_sources_are_errors():
     free = _random_free(model, FREE_WIDE)
     with pytest.raises(ValueError, match="'codebook' or 'nested'"):
         cv.structured_from_free(free, {}, "free", 4)
+    # more levels than a router has groups: the same error as for fresh nested routers, never a silent clamp
+    groups = free.attn[0].groups
+    margins = {k: [torch.randn(20, r.groups) for r in getattr(free, k)] for k in ("attn", "ffn")}
+    with pytest.raises(ValueError, match=f"must be in \\[2, {groups}\\]"):
+        cv.structured_from_free(free, margins, "nested", groups + 1)
 
 
 @pytest.mark.parametrize("structure,size", [("codebook", 6), ("nested", 4)])
-def test_convert_routers_end_to_end_matches_free_capacity(structure, size, monkeypatch):
+def test_convert_routers_end_to_end_matches_free_capacity(structure, size, monkeypatch, tmp_path):
     from wide_compile.routing import calibrate as cal_mod
     seen = []
     real = cal_mod.calibrate_offset_
@@ -168,6 +173,14 @@ def test_convert_routers_end_to_end_matches_free_capacity(structure, size, monke
     rows = (r0.prototypes > 0) if structure == "codebook" else r0.level_masks()
     m0 = rec["ffn"][0][0].reshape(-1, r0.groups)
     assert (m0[:, None, :] == rows[None]).all(-1).any(1).all()
+    # the file round-trips: the same decisions after save / load
+    out.save(tmp_path / "r.safetensors")
+    back = wc.Routers.load(tmp_path / "r.safetensors", model, structure=structure)
+    with routed(model, back), record_masks(model) as rec2:
+        model(input_ids=ids)
+    for k in ("attn", "ffn"):
+        for i in range(out.spec.num_layers):
+            assert torch.equal(rec[k][i][0], rec2[k][i][0])
 
 
 def test_convert_keeps_prototypes_and_moves_the_tilt_only():

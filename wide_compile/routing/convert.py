@@ -188,7 +188,7 @@ def structured_from_free(routers: Routers, margins: dict, structure: str, size: 
                 rs.append(codebook_from_router(r, margins[kind][i], size, seed=seed + i))
             else:
                 order = None if orders is None else orders[kind][i]
-                rs.append(nested_from_router(r, margins[kind][i], min(size, r.groups), order))
+                rs.append(nested_from_router(r, margins[kind][i], size, order))
         made[kind] = rs
     return Routers(routers.spec, cfg, made["attn"], made["ffn"])
 
