@@ -226,3 +226,30 @@ def test_cli_errors_before_loading_a_model(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli.main(["--routers", "smollm2-135m-c50", "--structure", "nested", "--out", out, *bad])
         assert says in capsys.readouterr().err
+
+
+def test_convert_table_reads_records_and_plots(tmp_path):
+    import json
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import convert_table
+
+    def ppl(ratio, cap):
+        c = {"overall": cap, "attn": cap, "ffn": cap, "tokens": 99}
+        return {"command": "x", "result": {"ppl_ratio": ratio, "dense": {"ppl": 20.0},
+                                           "wide": {"tokens": 99, "ctx": 64, "stride": 32, "capacity": c}}}
+
+    study = tmp_path / "s"
+    (study / "free").mkdir(parents=True)
+    (study / "free" / "ppl.json").write_text(json.dumps(ppl(2.0, 0.5)))
+    for name, ratio in (("codebook16", 3.0), ("codebook64", 2.5), ("nested8", 9.0)):
+        (study / name).mkdir()
+        (study / name / "ppl.json").write_text(json.dumps(ppl(ratio, 0.49)))
+        cap = {"overall": 0.5, "attn": 0.5, "ffn": 0.5}
+        (study / name / "convert.json").write_text(json.dumps({"capacity": {"free": cap, "converted": cap}}))
+    (study / "notes").mkdir()  # other folders are not rows
+    assert convert_table.main([str(study)]) == 0
+    t = (study / "table.md").read_text()
+    assert "| codebook 64 | 2.500 | 1.250 |" in t and "| nested 8 | 9.000 | 4.500 |" in t and "notes" not in t
+    assert t.index("codebook 16") < t.index("codebook 64") < t.index("nested 8")
+    assert (tmp_path / "convert-ppl-vs-size.png").stat().st_size > 1000
