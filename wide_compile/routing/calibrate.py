@@ -136,23 +136,28 @@ def _bisect_offset(rs: list, measure, target: float, tol: float, iters: int,
 
 def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int,
                     coarse: bool = True) -> tuple[float, float, float, str]:
-    """The margin offset, then for codebooks the width tilt (`tilt_margin`): shifting prototype logits moves
-    capacity in steps (a group of a prototype flips for all its tokens), the tilt then moves single tokens
-    between narrower and wider prototypes to close what the step left. coarse=False: codebooks keep their
-    prototypes and only the tilt moves (the prototypes of converted routers are what their scorer was built
-    for). Returns (offset, before, after, a note on the tilt for the log)."""
+    """The margin offset for free / nested routers. Codebooks: the width tilt (`tilt_margin`) first, which moves
+    single tokens between narrower and wider prototypes and leaves the prototypes as they are; only when the tilt
+    cannot reach the target (e.g. prototypes of one width) the prototype logits are shifted (a step that flips a
+    group for every token of a prototype at once) and the tilt closes what that step left. coarse=False: never
+    the shift (the prototypes of converted routers are what their scorer was built for). Returns (offset,
+    before, after, a note on the tilt for the log)."""
     tilted = [r for r in rs if hasattr(r, "tilt_margin")]
-    if not coarse and tilted:
-        if len(tilted) != len(rs):
-            raise ValueError("calibrate_offset_(coarse=False) moves codebook tilts only; these routers mix "
-                             "codebooks with routers that have no tilt")
-        tilt, c0, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
-        return 0.0, c0, c1, f" (codebook width tilt {tilt:+.3f}, prototypes kept)"
-    off, c0, c1 = _bisect_offset(rs, measure, target, tol, iters)
-    if not tilted or abs(c1 - target) <= tol:
+    if not tilted:
+        off, c0, c1 = _bisect_offset(rs, measure, target, tol, iters)
         return off, c0, c1, ""
-    tilt, c_off, c1 = _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
-    return off, c0, c1, f" (codebook width tilt {tilt:+.3f}: {c_off:.4f} -> {c1:.4f})"
+    if len(tilted) != len(rs):
+        raise ValueError("calibrate_offset_: these routers mix codebooks with routers that have no width tilt")
+
+    def by_tilt():
+        return _bisect_offset(tilted, measure, target, tol, iters, margin=lambda r: r.tilt_margin())
+
+    tilt, c0, c1 = by_tilt()
+    if not coarse or abs(c1 - target) <= tol:
+        return 0.0, c0, c1, f" (codebook width tilt {tilt:+.3f}, prototypes kept)"
+    off, _, c_off = _bisect_offset(rs, measure, target, tol, iters)
+    tilt2, _, c1 = by_tilt()
+    return off, c0, c1, f" (codebook width tilt {tilt:+.3f}, then prototype shift -> {c_off:.4f}, tilt {tilt2:+.3f})"
 
 
 @torch.no_grad()
