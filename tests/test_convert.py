@@ -253,3 +253,21 @@ def test_convert_table_reads_records_and_plots(tmp_path):
     assert "| codebook 64 | 2.500 | 1.250 |" in t and "| nested 8 | 9.000 | 4.500 |" in t and "notes" not in t
     assert t.index("codebook 16") < t.index("codebook 64") < t.index("nested 8")
     assert (tmp_path / "convert-ppl-vs-size.png").stat().st_size > 1000
+
+
+def test_codebook_calibration_tries_the_tilt_before_shifting_prototypes():
+    from wide_compile.routing.calibrate import calibrate_offset_, deterministic_capacity
+    model = tiny_model("llama", seed=10)
+    free = _random_free(model, FREE_WIDE)
+    g = torch.Generator().manual_seed(2)
+    fit = torch.randint(0, 128, (4, 32), generator=g)
+    cal = torch.randint(0, 128, (4, 32), generator=g)
+    out = cv.structured_from_free(free, cv.record_margins(model, free, fit), "codebook", 6)
+    with torch.no_grad():  # logits of many sizes: small prototype shifts flip groups, so a shift could land too
+        for x in list(out.attn) + list(out.ffn):
+            x.prototypes.mul_(torch.rand(x.prototypes.shape, generator=g) + 0.05)
+    before = [x.prototypes.detach().clone() for x in list(out.attn) + list(out.ffn)]
+    target = deterministic_capacity(model, out, cal)["overall"] + 0.04  # within the tilt's reach
+    calibrate_offset_(model, out, cal, target=target, tol=0.02, log=lambda *_: None)  # coarse allowed
+    assert deterministic_capacity(model, out, cal)["overall"] == pytest.approx(target, abs=0.02)
+    assert all(torch.equal(b, x.prototypes) for b, x in zip(before, list(out.attn) + list(out.ffn)))
