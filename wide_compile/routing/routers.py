@@ -165,10 +165,10 @@ class CodebookRouter(_RouterBase):
     [..., P] (linear D -> P, or D -> rank -> P when rank > 0). forward returns the chosen prototype's logits
     row (float32 [..., G], execute iff > 0), so the mask is always one of the P prototype masks. The token
     takes the argmax of scores + tilt * width (width [P]: the fraction of groups each hard prototype keeps).
-    Capacity calibration moves two margins: the prototype logits (`margin_bias`, coarse: a shift flips a group
-    for every token of a prototype at once, so capacity moves in steps), then `tilt` (`tilt_margin`, a buffer,
-    0 until calibrated), which moves tokens one at a time between wider and narrower prototypes and leaves the
-    prototypes as they are.
+    Capacity calibration moves two margins: first `tilt` (`tilt_margin`, a buffer, 0 until calibrated), which
+    moves tokens one at a time between wider and narrower prototypes and leaves the prototypes as they are;
+    only when the tilt cannot reach the target, the prototype logits (`margin_bias`, coarse: a shift flips a
+    group for every token of a prototype at once, so capacity moves in steps), then the tilt again.
     `relaxed`: hard Gumbel-softmax over the P scores times the hard
     prototype bits in the forward; the backward is that of softmax((scores + g) / tau) @ sigmoid(prototypes
     / tau) (straight through the pick and the bits together), so gradients reach the scorer and the
