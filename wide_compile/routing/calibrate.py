@@ -165,7 +165,7 @@ def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: 
                       amp: bool = False, log=print, target_attn: float | None = None,
                       target_ffn: float | None = None, batch_size: int = 8, coarse: bool = True) -> float | dict:
     """Shift the learned routers' margins so the deterministic capacity on `blocks` equals the targets (codebooks:
-    then their width tilt, see _calibrate_kind; coarse=False: the tilt only).
+    their width tilt first, see _calibrate_kind; coarse=False: the tilt only).
 
     Without per-kind targets: one global offset for every router, overall capacity == `target` (returns the
     offset). With target_attn / target_ffn: the attention routers' offset brings the attention capacity to
