@@ -117,7 +117,7 @@ sweep_runs() {
 # convert_ft: structured routers converted from the shipped free c50 set (wide train convert), then stage 2 jointly
 # with the routers, starting from the LoRA the free set was trained with; one line per run: NAME STRUCTURE SIZE
 CONVERT_RUNS=${CONVERT_RUNS:-"cb64 codebook 64; cb16 codebook 16"}
-CONVERT_S2_ARGS=${CONVERT_S2_ARGS:---joint true --router-lr 2e-4 --separate-targets true --tau-start 1.0 --tau-end 1.0 \
+CONVERT_S2_ARGS=${CONVERT_S2_ARGS:---joint true --lr 2e-4 --router-lr 2e-4 --separate-targets true --tau-start 1.0 --tau-end 1.0 \
   --noise-off-frac 1.0 --capacity 0.5 --epochs 0.08 --batch-size 16 --eval-every 24 --patience 3}
 
 one_convert_ft() {
