@@ -183,14 +183,18 @@ def test_convert_routers_end_to_end_matches_free_capacity(structure, size, monke
             assert torch.equal(rec[k][i][0], rec2[k][i][0])
 
 
-def test_convert_keeps_prototypes_and_moves_the_tilt_only():
-    model = tiny_model("llama", seed=8)
+def _converted_codebook(model_seed, data_seed, prototypes):
+    """(model, uncalibrated codebook routers converted from random free ones, calibration blocks, generator)"""
+    model = tiny_model("llama", seed=model_seed)
     free = _random_free(model, FREE_WIDE)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(data_seed)
     fit = torch.randint(0, 128, (4, 32), generator=g)
     cal = torch.randint(0, 128, (4, 32), generator=g)
-    margins = cv.record_margins(model, free, fit)
-    out = cv.structured_from_free(free, margins, "codebook", 5)
+    return model, cv.structured_from_free(free, cv.record_margins(model, free, fit), "codebook", prototypes), cal, g
+
+
+def test_convert_keeps_prototypes_and_moves_the_tilt_only():
+    model, out, cal, _ = _converted_codebook(8, 1, 5)
     before = [x.prototypes.detach().clone() for x in out.ffn]
     from wide_compile.routing.calibrate import calibrate_offset_
     calibrate_offset_(model, out, cal, target=0.3, coarse=False, log=lambda *_: None)
@@ -257,12 +261,7 @@ def test_convert_table_reads_records_and_plots(tmp_path):
 
 def test_codebook_calibration_tries_the_tilt_before_shifting_prototypes():
     from wide_compile.routing.calibrate import calibrate_offset_, deterministic_capacity
-    model = tiny_model("llama", seed=10)
-    free = _random_free(model, FREE_WIDE)
-    g = torch.Generator().manual_seed(2)
-    fit = torch.randint(0, 128, (4, 32), generator=g)
-    cal = torch.randint(0, 128, (4, 32), generator=g)
-    out = cv.structured_from_free(free, cv.record_margins(model, free, fit), "codebook", 6)
+    model, out, cal, g = _converted_codebook(10, 2, 6)
     with torch.no_grad():  # logits of many sizes: small prototype shifts flip groups, so a shift could land too
         for x in list(out.attn) + list(out.ffn):
             x.prototypes.mul_(torch.rand(x.prototypes.shape, generator=g) + 0.05)

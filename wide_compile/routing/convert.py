@@ -31,17 +31,17 @@ from .routers import CodebookRouter, GroupRouter, NestedRouter, PairRouter, Rout
 
 def affine_margins(router) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """A free router's margins as m(h) = A (W h + c) + a, returned as (W [r, D] or None, A [G, r or D],
-    a [G]) with the down projection's bias c folded into a: the margins are A (W h) + (A c + a).
+    a [G]) with the down projection's bias c folded into a: the margins are A (W h) + (A c + a). A and a are
+    float64 (derived from the router's weights without rounding); W is the router's own weight.
     Raises for routers whose margins are not affine in h (a SiLU hidden layer)."""
     if isinstance(router, PairRouter):
         g = router.groups
-        up_w = router.up.weight.detach().view(g, 2, -1)
-        up_b = router.up.bias.detach().view(g, 2)
-        a_mat = up_w[:, 1].double() - up_w[:, 0].double()
-        a_vec = up_b[:, 1].double() - up_b[:, 0].double() + a_mat @ router.down.bias.detach().double()
-        return router.down.weight.detach(), a_mat.to(up_w.dtype), a_vec.to(up_w.dtype)
+        up_w = router.up.weight.detach().double().view(g, 2, -1)
+        up_b = router.up.bias.detach().double().view(g, 2)
+        a_mat = up_w[:, 1] - up_w[:, 0]
+        return router.down.weight.detach(), a_mat, up_b[:, 1] - up_b[:, 0] + a_mat @ router.down.bias.detach().double()
     if isinstance(router, GroupRouter) and not router.hidden:
-        return None, router.proj.weight.detach(), router.proj.bias.detach()
+        return None, router.proj.weight.detach().double(), router.proj.bias.detach().double()
     raise ValueError(f"convert: a {type(router).__name__}"
                      f"{' with a SiLU hidden layer' if isinstance(router, GroupRouter) else ''} has margins that "
                      "are not affine in its input, so no structured router reproduces its picks exactly; convert "
@@ -102,15 +102,12 @@ def fit_prototypes(margins: torch.Tensor, prototypes: int, iters: int = 50, seed
     best_possible = m.abs().sum(1)  # agreement of the free mask itself
     for _ in range(iters):
         scores = agreement(m, table)
-        pick = scores.argmax(1)
+        best, pick = scores.max(1)
+        worst_served = int((best_possible - best).argmax())
         new = table.clone()
         for p in range(prototypes):
             sel = pick == p
-            if sel.any():
-                new[p] = (m[sel].mean(0) > 0).double()
-            else:
-                lost = best_possible - scores.max(1).values
-                new[p] = masks[int(lost.argmax())]
+            new[p] = (m[sel].mean(0) > 0).double() if sel.any() else masks[worst_served]
         if torch.equal(new, table):
             break
         table = new
@@ -121,8 +118,9 @@ def _scorer_weights(router, table: torch.Tensor):
     """(down W [r, D], down bias [r], up [P, r], up bias [P]) or (None, None, w [P, D], b [P]): the scorer whose
     scores are agreement(m(h), table)."""
     w_in, a_mat, a_vec = affine_margins(router)
+    dtype = next(router.parameters()).dtype
     s = 2.0 * table.double() - 1.0  # [P, G]; the products in float64, rounded once to the router's dtype
-    up, up_b = (s @ a_mat.double()).to(a_mat.dtype), (s @ a_vec.double()).to(a_vec.dtype)
+    up, up_b = (s @ a_mat).to(dtype), (s @ a_vec).to(dtype)
     if w_in is None:
         return None, None, up, up_b
     # the scorer applies its own down bias before up: up (W h + 0) + (S a) with the bias folded into a

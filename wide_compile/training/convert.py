@@ -84,10 +84,11 @@ def main(argv=None) -> int:
         load_lora_merged(model, lora)
     free = Routers.load(src, model, structure="free")
     n_fit, n_cal = a.fit_tokens // a.seq_len, a.calib_tokens // a.seq_len
-    toks = load_tokens(tok, a.data, a.tokens, max_tokens=None if a.tokens else (n_fit + n_cal) * a.seq_len)
-    if len(toks) < (n_fit + n_cal) * a.seq_len:
-        raise SystemExit(f"only {len(toks)} tokens: --fit-tokens + --calib-tokens need {(n_fit + n_cal) * a.seq_len}")
-    blocks = torch.from_numpy(toks[:(n_fit + n_cal) * a.seq_len].astype("int64")).view(-1, a.seq_len)
+    need = (n_fit + n_cal) * a.seq_len
+    toks = load_tokens(tok, a.data, a.tokens, max_tokens=None if a.tokens else need)
+    if len(toks) < need:
+        raise SystemExit(f"only {len(toks)} tokens: --fit-tokens + --calib-tokens need {need}")
+    blocks = torch.from_numpy(toks[:need].astype("int64")).view(-1, a.seq_len)
     out, caps = convert_routers(model, free, a.structure, a.size, blocks[:n_fit], blocks[n_fit:],
                                 batch_size=a.batch_size, seed=a.seed)
     out_path = Path(a.out)

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -263,7 +262,7 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
             raise ValueError(f"init_lora {cfg.init_lora} adapts {sorted(targets)}; stage 2 trains {sorted(TARGETS)}")
         if (rank, alpha) != (cfg.rank, cfg.alpha):
             log(f"stage 2 starts from {cfg.init_lora}: rank {rank}, alpha {alpha} (instead of {cfg.rank}, {cfg.alpha})")
-            cfg = dataclasses.replace(cfg, rank=rank, alpha=alpha)
+            cfg = replace(cfg, rank=rank, alpha=alpha)
     pm = apply_lora(model, cfg.rank, cfg.alpha, dropout=cfg.lora_dropout)
     if init is not None:
         from peft import set_peft_model_state_dict
