@@ -62,6 +62,20 @@ def test_smoke_records(tmp_path):
     assert any(r.get("mask_model") for r in half if r["masks"] == "correlated")
 
 
+def test_structured_masks_run_on_bucket_ops(tmp_path):
+    """--masks codebookP / nestedL: routers of that structure, calibrated to the capacity, compiled by the real
+    wide backend onto the bucketed ops (the record's path column says so)."""
+    import bench_e2e
+
+    data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--phases", "prefill", "--capacities", "0.5",
+                           "--masks", "codebook4", "nested3", "--variants", "inductor", "wide", "--no-plot"])
+    recs = {r["masks"]: r for r in data["records"]}
+    assert set(recs) == {"codebook4", "nested3"}
+    for r in recs.values():
+        assert r["wide_ms"] and r["measured_capacity"] == pytest.approx(0.5, abs=0.12), r
+        assert "mlp bucket" in r["wide_paths"], r["wide_paths"]
+
+
 def test_skips_missing_backend(tmp_path):
     import bench_e2e
 
@@ -427,6 +441,8 @@ def test_options_match_the_parser():
     (["--kernel-config", "{decode"], "not JSON"),
     (["--kernel-config", '{"decode": 3}'], '"decode"'),
     (["--kernel-config", '{"decode_x": {}}'], '"decode"'),
+    (["--masks", "codebook1"], "codebookP"),
+    (["--masks", "blocks"], "codebookP"),
 ])
 def test_bad_options_give_one_clear_error(argv, words, capsys):
     from e2e.options import parse_options

@@ -32,9 +32,14 @@ correlated  a synthetic router-like model. Each router is still linear (so it ru
 all-on      capacity 1.0: random routers with +1e4 biases (every group on) - the cost of routing itself.
 
 trained     SmolLM2's shipped routers, on the real SmolLM2 model only.
+
+codebookP / nestedL  random routers of a mask structure (`structured_routers`), calibrated like random: every
+            token's mask is one of P random prototypes (codebook), or a prefix of the dense weights' group
+            order at one of L widths (nested); the compiled model runs them on the bucketed ops.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from contextlib import contextmanager
@@ -77,6 +82,20 @@ def random_routers(model, cfg: WideConfig, calib_ids, capacity: float, seed: int
     r = _routers_to(Routers.init(model, cfg, seed=seed), model)
     for _ in range(iters):  # masks change the hidden states of later layers: iterate to converge
         r.calibrate_(model, calib_ids, capacity)
+    return r
+
+
+def structured_routers(model, cfg: WideConfig, calib_ids, capacity: float, structure: str, size: int,
+                       seed: int = 0) -> Routers:
+    """Random routers of a mask structure ("codebook": `size` prototypes per layer, random subsets; "nested":
+    `size` width levels over the dense weights' group order), calibrated to `capacity` per router kind."""
+    from wide_compile.routing.calibrate import calibrate_offset_
+
+    extra = {"codebook_size": size} if structure == "codebook" else {"nested_levels": size}
+    r = _routers_to(Routers.init(model, dataclasses.replace(cfg, structure=structure, **extra), seed=seed), model)
+    # one margin per router kind (a structured router has no per-group margins): attention and FFN each at
+    # `capacity`, as the random masks' per-group rates give
+    calibrate_offset_(model, r, calib_ids, capacity, target_attn=capacity, target_ffn=capacity, log=lambda *a: None)
     return r
 
 

@@ -19,6 +19,7 @@ from .variants import OPT_IN, VARIANTS
 MODELS = ("llama-3.1-8b", "llama-3.2-3b", "smollm2-135m")
 SMOKE_MODEL = "tiny"  # --smoke: the CPU test shape of e2e/models.SHAPES
 MASKS = ("random", "correlated", "trained")
+STRUCTURED_MASKS = ("codebook", "nested")  # with a size: codebook16 = 16 prototypes, nested8 = 8 width levels
 PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
 KERNEL_CONFIG_PHASES = ("decode", "prefill")
@@ -196,8 +197,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=None, help=f"subset of {MODELS} (default: all)")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES, help="phases to time")
     p.add_argument("--capacities", nargs="+", type=float, default=None, help="default 1.0 0.75 0.5 0.3")
-    p.add_argument("--masks", nargs="+", default=["random", "correlated"], choices=MASKS,
-                   help="random, correlated, trained (trained: real SmolLM2 only; added automatically there)")
+    p.add_argument("--masks", nargs="+", default=["random", "correlated"], type=mask_kind, metavar="KIND",
+                   help="random, correlated, trained (trained: real SmolLM2 only; added automatically there), "
+                        "codebookP (random codebook routers, P prototypes per layer, e.g. codebook16; the pass "
+                        "runs them on the bucketed ops) or nestedL (nested routers with L width levels)")
     p.add_argument("--prefill-tokens", nargs="+", type=int, default=None, help="default 512 2048 8192")
     p.add_argument("--prefill-batch", nargs="+", type=int, default=None, help="default 1 4")
     p.add_argument("--decode-ctx", nargs="+", type=int, default=None, help="default 1024 4096")
@@ -282,6 +285,23 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and routers")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     return p
+
+
+def mask_kind(text: str) -> str:
+    """A --masks value: one of MASKS, or a structured kind with its size (codebook16, nested8)."""
+    if text in MASKS or structured_kind(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(MASKS)}, or codebookP / nestedL with "
+                                     "a size >= 2 (e.g. codebook16, nested8)")
+
+
+def structured_kind(text: str) -> tuple[str, int] | None:
+    """'codebook16' -> ('codebook', 16); None when `text` is not a structured kind with a size >= 2."""
+    for s in STRUCTURED_MASKS:
+        rest = text[len(s):]
+        if text.startswith(s) and rest.isdigit() and int(rest) >= 2:
+            return s, int(rest)
+    return None
 
 
 def parse_options(argv=None, description: str | None = None) -> BenchOptions:

@@ -3,6 +3,7 @@ reused across its workloads; each records the capacity it gives on the calibrati
 from __future__ import annotations
 
 from . import masks as M
+from .options import structured_kind
 from .run_state import log
 
 
@@ -64,7 +65,10 @@ class RouterSets:
                                         mm["stats_target"], seed=seed)
         if masks == "trained":
             return self.trained(cap)
-        raise ValueError(f"mask kind {masks!r}: expected random, correlated or trained")
+        structured = structured_kind(masks)
+        if structured is not None:
+            return M.structured_routers(bm.wide_model, self.cfg(cap), bm.calib_ids, cap, *structured, seed=seed)
+        raise ValueError(f"mask kind {masks!r}: expected random, correlated, trained, codebookP or nestedL")
 
     def get(self, cap: float, masks: str):
         key = (round(cap, 4), masks)
