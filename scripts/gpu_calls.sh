@@ -55,6 +55,9 @@
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
 #                          the MLP-block table against dense / static / free masks with its tile sweep into
 #                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
+#   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacity 0.5,
+#                          prefill 2048 / 8192 x 1, decode ctx 1024 x 1 / x 8, free random masks against random
+#                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops
 #   convert_ft             needs setup + tokens: codebook routers converted from the shipped free c50 set, fine-tuned
 #                          in stage 2 with the routers jointly from its LoRA, then scored (CONVERT_RUNS,
 #                          CONVERT_S2_ARGS)
@@ -308,6 +311,11 @@ step() {
     timeout 300 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
       > "$OUT/bucket/bench.log" 2>&1
     tail -40 "$OUT/bucket/bench.log" ;;
+  e2e_structured)
+    e2e e2e-structured "${E2E_TIMEOUT:-560}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases prefill decode \
+      --prefill-tokens 2048 8192 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 \
+      --masks random ${ST_MASKS:-codebook16 codebook64} --variants inductor inductor_cg static wide "${SHORT[@]}" \
+      --no-plot --name e2e-h200-structured ;;
   e2e_attention)  # first the ops under torch.compile alone (a kernel that Inductor cannot compile fails here, fast)
     TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k torch_compile \
       tests/test_kernel_attn_prefill.py tests/test_kernel_attn_decode.py 2>&1 | tail -4
