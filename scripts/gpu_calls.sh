@@ -58,9 +58,9 @@
 #   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacity 0.5,
 #                          prefill 2048 / 8192 x 1, decode ctx 1024 x 1 / x 8, free random masks against random
 #                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops
-#   convert_ft             needs setup + tokens: codebook routers converted from the shipped free c50 set, fine-tuned
-#                          in stage 2 with the routers jointly from its LoRA, then scored (CONVERT_RUNS,
-#                          CONVERT_S2_ARGS)
+#   convert_ft             needs setup + tokens: codebook routers converted from the shipped free c50 set and the free
+#                          set itself, each through stage 2 (routers jointly) from its LoRA, then scored
+#                          (CONVERT_RUNS, CONVERT_S2_ARGS)
 #   e2e_attention_gqa      the decode rows of e2e_attention with --attention gqa_decode: dense and static decode
 #                          through the same kernel with every head on (the strong dense baseline)
 #   e2e_attention          the attention ops under torch.compile (their tests), then end to end with attention over
@@ -117,20 +117,25 @@ sweep_runs() {
   for cap in $SWEEP_CAPS; do echo "sw-static-$cap $cap --baseline static $SWEEP_ARGS"; done
 }
 
-# convert_ft: structured routers converted from the shipped free c50 set (wide train convert), then stage 2 jointly
-# with the routers, starting from the LoRA the free set was trained with; one line per run: NAME STRUCTURE SIZE
-CONVERT_RUNS=${CONVERT_RUNS:-"cb64 codebook 64; cb16 codebook 16"}
-CONVERT_S2_ARGS=${CONVERT_S2_ARGS:---joint true --lr 2e-4 --router-lr 2e-4 --separate-targets true --tau-start 1.0 --tau-end 1.0 \
-  --noise-off-frac 1.0 --capacity 0.5 --epochs 0.08 --batch-size 16 --eval-every 24 --patience 3}
+# convert_ft: structured routers converted from the shipped free c50 set (wide train convert), then stage 2 with the
+# routers trained jointly, starting from the LoRA the free set was trained with; the free set itself gets the same
+# stage 2 (structure "free"), so the comparison is at equal training. One line per run: NAME STRUCTURE SIZE.
+# (--joint false keeps the routers frozen: results/quality-smollm2/convert-ft-cpu compares the two.)
+CONVERT_RUNS=${CONVERT_RUNS:-"free free 0; cb64 codebook 64; cb128 codebook 128"}
+CONVERT_S2_ARGS=${CONVERT_S2_ARGS:---joint true --lr 2e-4 --router-lr 2e-4 --separate-targets true --tau-start 1.0 \
+  --tau-end 1.0 --noise-off-frac 1.0 --capacity 0.5 --epochs 0.08 --batch-size 16 --eval-every 24 --patience 3}
 
 one_convert_ft() {
   local name=$1 structure=$2 size=$3 d="$C/runs/$1" lora=wide_compile/pretrained/smollm2-135m-c50.lora.safetensors
+  local routers="$d/converted.safetensors"
   mkdir -p "$d"
-  [ -f "$d/converted.safetensors" ] || python3 -m wide_compile.training convert --routers smollm2-135m-c50 \
-    --structure "$structure" --size "$size" --out "$d/converted.safetensors" --tokens "$C/tokens.npy" \
+  if [ "$structure" = free ]; then routers=wide_compile/pretrained/smollm2-135m-c50.safetensors
+  elif [ ! -f "$routers" ]; then python3 -m wide_compile.training convert --routers smollm2-135m-c50 \
+    --structure "$structure" --size "$size" --out "$routers" --tokens "$C/tokens.npy" \
     --gguf "$WIDE_SMOLLM2_GGUF" --device cuda >> "$OUT/convert-$name.log" 2>&1 || return $?
+  fi
   # shellcheck disable=SC2086
-  python3 -m wide_compile.training stage2 --routers "$d/converted.safetensors" --init-lora "$lora" --out "$d" \
+  python3 -m wide_compile.training stage2 --routers "$routers" --init-lora "$lora" --out "$d" \
     --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-400}" $CONVERT_S2_ARGS \
     >> "$OUT/convert-$name.log" 2>&1
   local rc=$?; grep -v "^\s*$" "$OUT/convert-$name.log" | tail -5 | sed "s/^/[$name] /"; return $rc
