@@ -95,12 +95,8 @@ def oracle(fit: dict, test: dict, structures, seed: int = 0, log=print) -> list[
 
 def main(argv=None) -> int:
     from wide_compile.eval.records import command_line, machine
-    from wide_compile.models import load_smollm2
     from wide_compile.routing.convert import record_margins
-    from wide_compile.routing.routers import Routers
-    from wide_compile.training.convert import _routers_source
-    from wide_compile.training.data import load_tokens
-    from wide_compile.training.stage2 import load_lora_merged
+    from wide_compile.training.convert import free_routers_on_text
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for structure-oracle.json / .md")
@@ -123,19 +119,9 @@ def main(argv=None) -> int:
         except argparse.ArgumentTypeError as e:
             ap.error(f"--structures: {e}")
     t0 = time.time()
-    src, lora = _routers_source(a.routers)
-    if a.lora is not None:
-        lora = None if a.lora == "none" else a.lora
-    model, tok = load_smollm2(dtype=torch.float32, device=a.device, gguf_path=a.gguf)
-    if lora is not None:
-        load_lora_merged(model, lora)
-    free = Routers.load(src, model, structure="free")
     n_fit, n_test = a.fit_tokens // a.seq_len, a.test_tokens // a.seq_len
-    need = (n_fit + n_test) * a.seq_len
-    toks = load_tokens(tok, a.data, a.tokens, max_tokens=None if a.tokens else need)
-    if len(toks) < need:
-        raise SystemExit(f"only {len(toks)} tokens: --fit-tokens + --test-tokens need {need}")
-    blocks = torch.from_numpy(toks[:need].astype("int64")).view(-1, a.seq_len)
+    model, free, blocks, _, lora = free_routers_on_text(a.routers, a.lora, n_fit + n_test, a.seq_len, a.device,
+                                                        a.gguf, a.data, a.tokens, what="--fit-tokens + --test-tokens")
     fit, test = record_margins(model, free, blocks[:n_fit]), record_margins(model, free, blocks[n_fit:])
     rows = oracle(fit, test, a.structures, seed=a.seed)
 

@@ -29,6 +29,33 @@ def _routers_source(name_or_path: str):
     return p, None
 
 
+def free_routers_on_text(routers: str, lora: str | None, n_blocks: int, seq_len: int, device, gguf, data, tokens,
+                         what: str = "the blocks"):
+    """(SmolLM2 in fp32 with the routers' LoRA merged, the free routers, train-text blocks [n_blocks, seq_len],
+    routers file, LoRA file or None). `routers`: a shipped name or a file; `lora`: None (a shipped name's own),
+    'none' or a file. fp32: recorded margins and calibration decide every token's pick."""
+    from ..models import load_smollm2
+    from ..routing.routers import Routers
+    from .data import load_tokens
+    from .stage2 import load_lora_merged
+
+    src, lora_path = _routers_source(routers)
+    if lora is not None:
+        lora_path = None if lora == "none" else Path(lora)
+    if lora_path is not None and not Path(lora_path).is_file():
+        raise SystemExit(f"--lora {lora_path}: no such file")
+    model, tok = load_smollm2(dtype=torch.float32, device=device, gguf_path=gguf)
+    if lora_path is not None:
+        load_lora_merged(model, lora_path)
+    free = Routers.load(src, model, structure="free")
+    need = n_blocks * seq_len
+    toks = load_tokens(tok, data, tokens, max_tokens=None if tokens else need)
+    if len(toks) < need:
+        raise SystemExit(f"only {len(toks)} tokens: {what} need {need}")
+    blocks = torch.from_numpy(toks[:need].astype("int64")).view(-1, seq_len)
+    return model, free, blocks, src, lora_path
+
+
 def _shown(p) -> str:
     # a path inside the working directory as a relative one (records stay the same on every checkout)
     p = Path(p).resolve()
@@ -40,11 +67,7 @@ def _shown(p) -> str:
 
 def main(argv=None) -> int:
     from ..eval.records import command_line, machine
-    from ..models import load_smollm2
     from ..routing.convert import convert_routers
-    from ..routing.routers import Routers
-    from .data import load_tokens
-    from .stage2 import load_lora_merged
 
     ap = argparse.ArgumentParser(prog="wide train convert",
                                  description="Codebook / nested routers converted from trained free routers "
@@ -71,24 +94,10 @@ def main(argv=None) -> int:
         ap.error(f"--size must be >= 2, got {a.size}")
     if a.fit_tokens < a.seq_len or a.calib_tokens < a.seq_len:
         ap.error(f"--fit-tokens and --calib-tokens must each hold at least one block of --seq-len {a.seq_len}")
-    src, lora = _routers_source(a.routers)
-    if a.lora is not None:
-        lora = None if a.lora == "none" else Path(a.lora)
-    if lora is not None and not Path(lora).is_file():
-        raise SystemExit(f"--lora {lora}: no such file")
-
     t0 = time.time()
-    # fp32: the recorded margins and the calibration decide every token's pick
-    model, tok = load_smollm2(dtype=torch.float32, device=a.device, gguf_path=a.gguf)
-    if lora is not None:
-        load_lora_merged(model, lora)
-    free = Routers.load(src, model, structure="free")
     n_fit, n_cal = a.fit_tokens // a.seq_len, a.calib_tokens // a.seq_len
-    need = (n_fit + n_cal) * a.seq_len
-    toks = load_tokens(tok, a.data, a.tokens, max_tokens=None if a.tokens else need)
-    if len(toks) < need:
-        raise SystemExit(f"only {len(toks)} tokens: --fit-tokens + --calib-tokens need {need}")
-    blocks = torch.from_numpy(toks[:need].astype("int64")).view(-1, a.seq_len)
+    model, free, blocks, src, lora = free_routers_on_text(a.routers, a.lora, n_fit + n_cal, a.seq_len, a.device,
+                                                          a.gguf, a.data, a.tokens, what="--fit-tokens + --calib-tokens")
     out, caps = convert_routers(model, free, a.structure, a.size, blocks[:n_fit], blocks[n_fit:],
                                 batch_size=a.batch_size, seed=a.seed)
     out_path = Path(a.out)
