@@ -49,6 +49,7 @@ import torch
 
 from wide_compile import Routers, WideConfig
 from wide_compile.routing import record_logits, record_masks, routed
+from wide_compile.routing.calibrate import calibrate_offset_
 from wide_compile.routing.capacity import FlopCost
 
 # Used when the trained routers cannot be measured in this run (e.g. the real SmolLM2 is not on the GPU
@@ -89,8 +90,6 @@ def structured_routers(model, cfg: WideConfig, calib_ids, capacity: float, struc
                        seed: int = 0) -> Routers:
     """Random routers of a mask structure ("codebook": `size` prototypes per layer, random subsets; "nested":
     `size` width levels over the dense weights' group order), calibrated to `capacity` per router kind."""
-    from wide_compile.routing.calibrate import calibrate_offset_
-
     extra = {"codebook_size": size} if structure == "codebook" else {"nested_levels": size}
     r = _routers_to(Routers.init(model, dataclasses.replace(cfg, structure=structure, **extra), seed=seed), model)
     # one margin per router kind (a structured router has no per-group margins): attention and FFN each at
