@@ -11,9 +11,12 @@ Variants, per token count T, all from one interleaved run:
   bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each an iid Bernoulli(capacity) subset, each token's
                    prototype uniform at random
   bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
-  (T <= 16 runs as one block over the union of the tokens' prototypes; see bucket_mlp's docstring.)
-  --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase] (a candidate that fails is a row with its
-  error).
+  (T = 1 runs on gemv_mlp's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
+  bucket_mlp's docstring.)
+  At T = 1 also: free_gemv (torch.ops.wide.mlp with the tuning's one_token="gemv": the same GEMVs on the free
+  op's w_down_t) and bucket_codebook_union (the union block, one_token="union").
+  --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase], and at T = 1 free_gemv / bucket_codebook_gemv
+  at each of gemv_mlp.GEMV_SWEEP (a candidate that fails is a row with its error).
 Each WIDE variant is checked against its PyTorch reference before timing (relative L2 <= 2e-2, bf16). Each
 callable is captured in a CUDA graph (benchmarks/e2e/timing.cuda_graph_step); the replays are timed with CUDA
 events per replay in interleaved rounds (e2e/timing.time_interleaved); a row has the median, p10 and p90 of the
@@ -76,7 +79,10 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
     """({name: callable}, {name: row fields}, failed rows) for one T; WIDE callables checked first."""
     import torch
     from wide_compile.kernels import bucket_mlp as BK
+    from wide_compile.kernels import gemv_mlp as GV
     from wide_compile.kernels import reference as R
+    from wide_compile.kernels.compact_mlp import mlp_triton
+    from wide_compile.kernels.tuning import table_for
 
     gs = shape["group_size"]
     comp = (lambda f: f) if dry else (lambda f: torch.compile(f, mode=args.dense_mode, dynamic=False))
@@ -85,17 +91,32 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
            "static": lambda: static(w["x"], w["wg_half"], w["wu_half"], w["wd_half"])}
     meta = {"dense": dict(capacity=1.0), "static": dict(capacity=0.5)}
     if dry:  # the CPU would dispatch the ops to their references: call the Triton launchers (interpreter)
-        from wide_compile.kernels.compact_mlp import mlp_triton
-
         free = lambda: mlp_triton(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs)  # noqa: E731
     else:
         def free():
             return torch.ops.wide.mlp(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs, "", "silu")
     ref = R.mlp_ref(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs)
-    fns["free"], meta["free"] = free, dict(capacity=w["free_mask"].float().mean().item(), rel_l2=rel(free(), ref))
+    fcap = w["free_mask"].float().mean().item()
+    fns["free"], meta["free"] = free, dict(capacity=fcap, rel_l2=rel(free(), ref))
+    T = len(w["x"])
+    if T == 1:  # the free op on the one-token GEMVs (the tuning's one_token="gemv"), at each swept tile
+        gemv = [("free_gemv", {})]
+        if args.sweep:
+            gemv += [(f"free_gemv_{i}", c) for i, c in enumerate(GV.GEMV_SWEEP["d_contiguous"])]
+        for name, c in gemv:
+            over = dict(one_token="gemv", **c)
+            def fn(o=over, tj=table_for().with_overrides(decode=over).to_json()):
+                if dry:
+                    return mlp_triton(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs, config=o)
+                return torch.ops.wide.mlp(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs, tj, "silu")
+            fns[name], meta[name] = fn, dict(capacity=fcap, rel_l2=rel(fn(), ref), config=over)
     cands = [("bucket_codebook", "codebook", None), ("bucket_nested", "nested", None)]
-    if args.sweep:
-        cands += [(f"bucket_codebook_{i}", "codebook", c) for i, c in enumerate(BK.SWEEP[BK.phase(len(w["x"]))])]
+    if T == 1:  # one token: the GEMVs by default; the union block (one_token="union") and the GEMV tiles
+        cands += [("bucket_codebook_union", "codebook", dict(one_token="union"))]
+        if args.sweep:
+            cands += [(f"bucket_codebook_gemv_{i}", "codebook", c) for i, c in enumerate(GV.GEMV_SWEEP["k_contiguous"])]
+    elif args.sweep:
+        cands += [(f"bucket_codebook_{i}", "codebook", c) for i, c in enumerate(BK.SWEEP[BK.phase(T)])]
     failed = []
     for name, kind, cfg in cands:
         protos = w[kind]

@@ -55,6 +55,9 @@
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
 #                          the MLP-block table against dense / static / free masks with its tile sweep into
 #                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
+#   e2e_decode_gemv        batch-1 decode (8B shape, ST_LAYERS layers, ctx 1024, capacity 0.5, free random masks and
+#                          random codebook-16 routers) with the shipped tuning, then with the free op's one-token
+#                          GEMVs (--kernel-config one_token=gemv; the bucketed op runs them by default)
 #   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacity 0.5,
 #                          prefill 2048 / 8192 x 1, decode ctx 1024 x 1 / x 8, free random masks against random
 #                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops
@@ -311,11 +314,20 @@ step() {
     timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
   bucket)
     mkdir -p "$OUT/bucket"
-    TRITON_INTERPRET=0 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py 2>&1 \
+    TRITON_INTERPRET=0 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py \
+      tests/test_kernel_gemv_mlp.py 2>&1 \
       | tee "$OUT/bucket/kernel-tests-cuda.log" | tail -4
     timeout 300 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
       > "$OUT/bucket/bench.log" 2>&1
     tail -40 "$OUT/bucket/bench.log" ;;
+  e2e_decode_gemv)  # the same decode rows twice: the shipped tuning, then the free op's one-token GEMVs
+    e2e e2e-decode-table "${E2E_TIMEOUT:-200}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases decode \
+      --decode-ctx 1024 --decode-batch 1 --capacities 0.5 --masks random codebook16 \
+      --variants inductor static wide "${SHORT[@]}" --no-plot --name e2e-h200-decode-table
+    e2e e2e-decode-gemv "${E2E_TIMEOUT:-200}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases decode \
+      --decode-ctx 1024 --decode-batch 1 --capacities 0.5 --masks random codebook16 \
+      --kernel-config '{"decode": {"one_token": "gemv"}}' --variants inductor static wide "${SHORT[@]}" --no-plot \
+      --name e2e-h200-decode-gemv ;;
   e2e_structured)
     e2e e2e-structured "${E2E_TIMEOUT:-560}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases prefill decode \
       --prefill-tokens 2048 8192 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 \

@@ -105,12 +105,13 @@ def oracle_f64(x, wg, wu, wd, bucket, protos, gs, act):
 
 
 def mode_config(T, mode):
-    """Tile overrides that run T tokens as the default does ("default"), or the other way ("other": bucket lists
-    for a few tokens, one union block for more)."""
+    """Tile overrides that run T tokens as the default does ("default": one token on gemv_mlp's GEMVs, a few as
+    one union block, more as bucket lists), or the other way ("other": bucket lists for one or a few tokens, one
+    union block for more)."""
     if mode == "default":
         return None
     if T <= BK.CONFIGS["interpreter"]["union_max_t"]:
-        return dict(union_max_t=0)
+        return dict(union_max_t=0, one_token="union")
     bm = max(16, 1 << (T - 1).bit_length())
     return dict(block_m=bm, union_max_t=bm)
 

@@ -74,6 +74,24 @@ def check_mlp_body(T):
         assert _kernel_launches(gm) >= 2
 
 
+def test_one_token_gemv_bodies():
+    _run_isolated("check_one_token_gemv_bodies")
+
+
+def check_one_token_gemv_bodies():
+    """The one-token GEMVs (gemv_mlp): the free op's (w_down_t read transposed, split partials: 3 launches) and
+    the bucketed op's (a prototype row picked on the device)."""
+    from wide_compile.kernels.bucket_mlp import mlp_bucket_triton
+
+    gm = _trace(lambda x, wg, wu, wd, m: mlp_triton(x, wg, wu, wd, m, 32, config={"one_token": "gemv"}, wrap=True),
+                ((1, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((1, 4), BOOL))
+    assert _bool_dtype_views(gm) == [] and _kernel_launches(gm) == 3
+    gb = _trace(lambda x, wg, wu, wd, b, p: mlp_bucket_triton(x, wg, wu, wd, b, p, 32, wrap=True),
+                ((1, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((64, 128), BF16), ((1,), torch.int32),
+                ((5, 4), BOOL))
+    assert _bool_dtype_views(gb) == [] and _kernel_launches(gb) == 3
+
+
 @pytest.mark.parametrize("T", [3, 8, 130])
 def test_attention_projection_bodies(T):
     _run_isolated("check_attention_projection_bodies", T)

@@ -1,0 +1,225 @@
+"""One-token MLP (wide_compile/kernels/gemv_mlp.py): the two GEMV kernels against float64 oracles, on the CPU under
+the Triton interpreter (TRITON_INTERPRET=1, conftest's default) or compiled on a CUDA GPU (TRITON_INTERPRET=0: the
+same cases plus GPU-sized ones at every swept tile).
+
+Tolerances (relative L2 error over the output row): fp32 <= 1e-5 against a float64 oracle of the same rounded
+inputs; bf16 <= 2e-2 against it and <= 1e-2 against reference.mlp_ref (which rounds h to bf16 as the kernel
+does). An all-off mask gives exact zeros, a prototype id outside [0, P) a NaN row. Every buffer the kernels
+must write (h, the group list, the split partials, the output) is NaN/garbage-poisoned first (reorder.POISON).
+"""
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles them
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import wide_compile.kernels  # noqa: E402,F401  (registers torch.ops.wide.*)
+from wide_compile.kernels import bucket_mlp as BK  # noqa: E402
+from wide_compile.kernels import gemv_mlp as GV  # noqa: E402
+from wide_compile.kernels import reference as R  # noqa: E402
+from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
+from wide_compile.kernels.tuning import table_for  # noqa: E402
+
+MR = importlib.import_module("wide_compile.kernels.reorder")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(DEV != "cuda", reason="GPU-sized shapes: compiled on a CUDA GPU only")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    MR.POISON = True
+    yield
+    MR.POISON = False
+
+
+def make_mask(G, kind, gen):
+    """[1, G] bool: random (about half on), on, off, one (a single group: the last), first (only group 0)."""
+    if kind == "on":
+        return torch.ones(1, G, dtype=torch.bool)
+    if kind == "off":
+        return torch.zeros(1, G, dtype=torch.bool)
+    if kind == "one":
+        return torch.arange(G)[None, :] == G - 1
+    if kind == "first":
+        return torch.arange(G)[None, :] == 0
+    return torch.rand(1, G, generator=gen) < 0.5
+
+
+def make_weights(D, G, gs, dtype, gen):
+    Fi = G * gs
+    x = torch.randn(1, D, generator=gen).to(dtype)
+    wg = (torch.randn(Fi, D, generator=gen) / D ** 0.5).to(dtype)
+    wu = (torch.randn(Fi, D, generator=gen) / D ** 0.5).to(dtype)
+    wd = (torch.randn(D, Fi, generator=gen) / Fi ** 0.5).to(dtype)     # down_proj.weight [D, F]
+    return [t.to(DEV) for t in (x, wg, wu, wd)]
+
+
+def oracle_f64(x, wg, wu, wd, mask_row, gs, act="silu"):
+    """float64, with the inactive groups removed from the weights (down_proj's columns zeroed), not through
+    reference.mlp_ref: [1, D]."""
+    d = torch.float64
+    x, wg, wu, wd = (t.to(d).cpu() for t in (x, wg, wu, wd))
+    keep = mask_row.cpu().repeat_interleave(gs).to(d)                    # [F]
+    return ((ACTS[act](x @ wg.T) * (x @ wu.T)) @ (wd * keep[None, :]).T)
+
+
+def rel(out, ref):
+    assert torch.isfinite(out).all(), "non-finite output (an unwritten/poisoned element?)"
+    num = (out.double().cpu() - ref.double().cpu()).norm()
+    den = ref.double().cpu().norm()
+    return (num / den).item() if den > 0 else num.item()
+
+
+def check(out, x, wg, wu, wd, mask_row, gs, act="silu"):
+    dtype = x.dtype
+    assert out.shape == (1, x.shape[1]) and out.dtype == dtype
+    if not mask_row.any():
+        assert (out == 0).all(), "an all-off mask gives exact zeros"
+        return
+    assert rel(out, oracle_f64(x, wg, wu, wd, mask_row, gs, act)) <= TOL[dtype]
+    if dtype != torch.float32:
+        ref = R.mlp_ref(x, wg, wu, wd.t(), mask_row[None, :], gs, act)
+        assert rel(out, ref) <= 1e-2
+
+
+SHAPES = [(40, 6, 16), (33, 3, 24), (64, 4, 32), (17, 7, 8), (100, 5, 12)]   # (D, G, group size): odd sizes too
+
+
+@pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "on", "off", "one", "first"])
+@pytest.mark.parametrize("D,G,gs", SHAPES)
+def test_gemv_matches_oracle(D, G, gs, kind, dtype, layout):
+    gen = torch.Generator().manual_seed(D * 31 + G)
+    x, wg, wu, wd = make_weights(D, G, gs, dtype, gen)
+    mask = make_mask(G, kind, gen).to(DEV)
+    w_nk = wd if layout == "k_contiguous" else wd.t().contiguous().t()    # the free op's w_down_t, as W[d, k]
+    assert GV.layout(w_nk) == layout
+    out = GV.mlp_gemv_triton(x, wg, wu, w_nk, mask, None, gs)
+    check(out, x, wg, wu, wd, mask[0], gs)
+
+
+@pytest.mark.parametrize("config", [dict(gd_split=1), dict(gd_split=4, gd_bk=8), dict(gu_bn=4, gu_bk=32),
+                                    dict(gu_bn=32, gd_bn=32, gd_split=8), dict(gu_bk=128, gd_bk=128)])
+@pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
+def test_gemv_tiles(config, layout):
+    gen = torch.Generator().manual_seed(7)
+    x, wg, wu, wd = make_weights(45, 9, 24, torch.float32, gen)
+    w_nk = wd if layout == "k_contiguous" else wd.t().contiguous().t()
+    for kind in ("random", "one", "on"):
+        mask = make_mask(9, kind, gen).to(DEV)
+        check(GV.mlp_gemv_triton(x, wg, wu, w_nk, mask, None, 24, config=config), x, wg, wu, wd, mask[0], 24)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_gemv_activations(act):
+    gen = torch.Generator().manual_seed(3)
+    x, wg, wu, wd = make_weights(40, 6, 16, torch.float32, gen)
+    mask = make_mask(6, "random", gen).to(DEV)
+    check(GV.mlp_gemv_triton(x, wg, wu, wd, mask, None, 16, act), x, wg, wu, wd, mask[0], 16, act)
+
+
+def test_gemv_strided_inputs():
+    """x a row of a wider tensor, gate / up weights column slices of wider ones."""
+    gen = torch.Generator().manual_seed(5)
+    x, wg, wu, wd = make_weights(40, 6, 16, torch.float32, gen)
+    xw = torch.cat([x, torch.randn_like(x)], 1)[:, :40]
+    wgw = torch.cat([wg, torch.randn_like(wg)], 1)[:, :40]
+    wuw = torch.cat([torch.randn_like(wu), wu], 1)[:, 40:]
+    mask = make_mask(6, "random", gen).to(DEV)
+    check(GV.mlp_gemv_triton(xw, wgw, wuw, wd, mask, None, 16), x, wg, wu, wd, mask[0], 16)
+
+
+@pytest.mark.parametrize("b", [0, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucket_row(b, dtype):
+    """The token's row of a prototype table: prototype 0 all-off, 1 all-on, the rest random."""
+    gen = torch.Generator().manual_seed(11 + b)
+    x, wg, wu, wd = make_weights(33, 7, 16, dtype, gen)
+    protos = torch.rand(5, 7, generator=gen) < 0.5
+    protos[0], protos[1] = False, True
+    protos = protos.to(DEV)
+    bucket = torch.tensor([b], dtype=torch.int32, device=DEV)
+    out = GV.mlp_gemv_triton(x, wg, wu, wd, protos, bucket, 16)
+    check(out, x, wg, wu, wd, protos[b], 16)
+
+
+@pytest.mark.parametrize("b", [-1, 5, 1000])
+def test_bucket_out_of_range_gives_nan(b):
+    gen = torch.Generator().manual_seed(2)
+    x, wg, wu, wd = make_weights(33, 7, 16, torch.float32, gen)
+    protos = (torch.rand(5, 7, generator=gen) < 0.5).to(DEV)
+    for split in (1, 4):
+        out = GV.mlp_gemv_triton(x, wg, wu, wd, protos, torch.tensor([b], device=DEV), 16,
+                                 config=dict(gd_split=split))
+        assert out.isnan().all()
+
+
+def test_free_op_runs_the_gemv_when_the_tuning_says_so(monkeypatch):
+    """compact_mlp.mlp_triton and torch.ops.wide.mlp take the GEMVs at T = 1 with one_token="gemv" (and only at
+    T = 1), with w_down_t [F, D] read as its transpose."""
+    calls = []
+    real = GV.mlp_gemv_triton
+    monkeypatch.setattr(GV, "mlp_gemv_triton", lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
+    gen = torch.Generator().manual_seed(9)
+    x, wg, wu, wd = make_weights(40, 6, 16, torch.float32, gen)
+    mask = make_mask(6, "random", gen).to(DEV)
+    out = mlp_triton(x, wg, wu, wd.t().contiguous(), mask, 16, config={"one_token": "gemv"})
+    assert calls == [(40, 96)]
+    check(out, x, wg, wu, wd, mask[0], 16)
+    tuning = table_for().with_overrides(decode={"one_token": "gemv"}).to_json()
+    out = torch.ops.wide.mlp(x, wg, wu, wd.t().contiguous(), mask, 16, tuning, "silu")
+    if DEV == "cuda":  # on the CPU the op runs its PyTorch reference
+        assert len(calls) == 2
+    check(out, x, wg, wu, wd, mask[0], 16)
+    x3 = torch.cat([x, x, x])
+    mlp_triton(x3, wg, wu, wd.t().contiguous(), mask.expand(3, 6), 16, config={"one_token": "gemv"})
+    assert len(calls) == (2 if DEV == "cuda" else 1), "three tokens do not take the one-token GEMVs"
+
+
+def test_bucket_op_runs_the_gemv_for_one_token(monkeypatch):
+    calls = []
+    real = GV.mlp_gemv_triton
+    monkeypatch.setattr(GV, "mlp_gemv_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    x, wg, wu, wd = make_weights(33, 7, 16, torch.float32, gen)
+    protos = (torch.rand(5, 7, generator=gen) < 0.5).to(DEV)
+    bucket = torch.tensor([3], dtype=torch.int32, device=DEV)
+    check(BK.mlp_bucket_triton(x, wg, wu, wd, bucket, protos, 16), x, wg, wu, wd, protos[3], 16)
+    assert calls == [1]
+    check(BK.mlp_bucket_triton(x, wg, wu, wd, bucket, protos, 16, config={"one_token": "union"}),
+          x, wg, wu, wd, protos[3], 16)
+    assert calls == [1], "one_token='union' keeps the union block"
+    with pytest.raises(ValueError, match="one_token"):
+        BK.mlp_bucket_triton(x, wg, wu, wd, bucket, protos, 16, config={"one_token": "gemm"})
+
+
+def test_config_takes_its_own_keys_only():
+    """The free op hands its whole tuning row in: its dn_* / up_* tiles must not reach the GEMVs."""
+    base = GV.config_for("k_contiguous")
+    assert GV.config_for("k_contiguous", dict(dn_bn=64, dn_split=8, up_bn=64, gd_split=1)) == dict(base, gd_split=1)
+    with pytest.raises(ValueError, match="power of two"):
+        GV.config_for("k_contiguous", dict(gd_split=3))
+
+
+@gpu_only
+@pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_large_every_swept_tile(layout, dtype):  # pragma: no cover
+    gen = torch.Generator().manual_seed(0)
+    x, wg, wu, wd = make_weights(4096, 224, 64, dtype, gen)
+    w_nk = wd if layout == "k_contiguous" else wd.t().contiguous().t()
+    for kind in ("random", "on", "off", "one"):
+        mask = make_mask(224, kind, gen).to(DEV)
+        for cfg in (None,) + GV.GEMV_SWEEP[layout]:
+            check(GV.mlp_gemv_triton(x, wg, wu, w_nk, mask, None, 64, config=cfg), x, wg, wu, wd, mask[0], 64)
