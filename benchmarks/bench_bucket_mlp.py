@@ -11,12 +11,12 @@ Variants, per token count T, all from one interleaved run:
   bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each an iid Bernoulli(capacity) subset, each token's
                    prototype uniform at random
   bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
-  (T = 1 runs on gemv_mlp's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
+  (T = 1 runs on gemv's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
   bucket_mlp's docstring.)
   At T = 1 also: free_gemv (torch.ops.wide.mlp with the tuning's one_token="gemv": the same GEMVs on the free
   op's w_down_t) and bucket_codebook_union (the union block, one_token="union").
   --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase], and at T = 1 free_gemv / bucket_codebook_gemv
-  at each of gemv_mlp.GEMV_SWEEP (a candidate that fails is a row with its error).
+  at each of gemv.GEMV_SWEEP (a candidate that fails is a row with its error).
 Each WIDE variant is checked against its PyTorch reference before timing (relative L2 <= 2e-2, bf16). Each
 callable is captured in a CUDA graph (benchmarks/e2e/timing.cuda_graph_step); the replays are timed with CUDA
 events per replay in interleaved rounds (e2e/timing.time_interleaved); a row has the median, p10 and p90 of the
@@ -79,7 +79,7 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
     """({name: callable}, {name: row fields}, failed rows) for one T; WIDE callables checked first."""
     import torch
     from wide_compile.kernels import bucket_mlp as BK
-    from wide_compile.kernels import gemv_mlp as GV
+    from wide_compile.kernels import gemv as GV
     from wide_compile.kernels import reference as R
     from wide_compile.kernels.compact_mlp import mlp_triton
     from wide_compile.kernels.tuning import table_for

@@ -315,7 +315,7 @@ step() {
   bucket)
     mkdir -p "$OUT/bucket"
     TRITON_INTERPRET=0 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_bucket.py \
-      tests/test_kernel_gemv_mlp.py 2>&1 \
+      tests/test_kernel_gemv.py 2>&1 \
       | tee "$OUT/bucket/kernel-tests-cuda.log" | tail -4
     timeout 300 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
       > "$OUT/bucket/bench.log" 2>&1

@@ -40,11 +40,11 @@ def test_sweep_rows_and_nested_prototypes(tmp_path):
     data = bench_bucket_mlp.main(["--dry-run", "--sweep", "--ts", "3", "--out", str(tmp_path)])
     names = [r["variant"] for r in data["rows"]]
     assert names == list(VARIANTS) + [f"bucket_codebook_{i}" for i in range(len(bucket_mlp.SWEEP["decode"]))]
-    from wide_compile.kernels import gemv_mlp
+    from wide_compile.kernels import gemv
 
     data = bench_bucket_mlp.main(["--dry-run", "--sweep", "--ts", "1", "--out", str(tmp_path)])
     names = [r["variant"] for r in data["rows"]]
-    sw = gemv_mlp.GEMV_SWEEP
+    sw = gemv.GEMV_SWEEP
     assert names == (list(ONE_TOKEN[:4]) + [f"free_gemv_{i}" for i in range(len(sw["d_contiguous"]))]
                      + list(ONE_TOKEN[4:]) + [f"bucket_codebook_gemv_{i}" for i in range(len(sw["k_contiguous"]))])
     assert all(r["rel_l2"] <= bench_bucket_mlp.TOL for r in data["rows"] if "rel_l2" in r)

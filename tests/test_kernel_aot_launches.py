@@ -15,7 +15,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from wide_compile.kernels.gemv_mlp import GEMV_SWEEP  # noqa: E402
+from wide_compile.kernels.gemv import GEMV_SWEEP  # noqa: E402
 
 SM90_SHARED = 232448  # bytes of shared memory per block on the H100 / H200
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -78,7 +78,7 @@ def _signature(kernel, args, kwargs):
 def _cases():
     """name -> a function launching one op's kernels on CPU tensors (nothing runs: the launches are recorded)."""
     from wide_compile.kernels import attn_decode, attn_prefill, bucket_attn, bucket_mlp, compact_attn, compact_mlp
-    from wide_compile.kernels import gemv_mlp, norm_router
+    from wide_compile.kernels import gemv, norm_router
 
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -112,12 +112,18 @@ def _cases():
         cases[f"rmsnorm_router T={T}"] = lambda T=T: norm_router.rmsnorm_router_triton(
             t(T, D), t(D), 1e-5, "normed", "linear", t(2 * F // FGS, D, dtype=torch.float32),
             t(2 * F // FGS, dtype=torch.float32))
-    for kind, sweep in gemv_mlp.GEMV_SWEEP.items():  # the one-token MLP at every tile its sweep times
+    for kind, sweep in gemv.GEMV_SWEEP.items():  # the one-token MLP at every tile its sweep times
         for i, cfg in enumerate(sweep):
             w_down = t(D, F) if kind == "k_contiguous" else t(F, D).t()
-            cases[f"mlp_gemv {kind} {i}"] = lambda w=w_down, c=cfg: gemv_mlp.mlp_gemv_triton(
+            cases[f"mlp_gemv {kind} {i}"] = lambda w=w_down, c=cfg: gemv.mlp_gemv_triton(
                 t(1, D), t(F, D), t(F, D), w, mask(1, F // FGS), None, FGS, config=c)
-    cases["mlp_gemv bucket"] = lambda: gemv_mlp.mlp_gemv_triton(t(1, D), t(F, D), t(F, D), t(D, F),
+    cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
+                                                           None, HGS * HD)
+    for kind in ("k_contiguous", "d_contiguous"):
+        w_o = t(D, HQ * HD) if kind == "k_contiguous" else t(HQ * HD, D).t()
+        cases[f"o_proj_gemv {kind}"] = lambda w=w_o: gemv.o_proj_gemv_triton(t(1, HQ * HD), w, t(D),
+                                                                             mask(1, HQ // HGS), None, HGS * HD)
+    cases["mlp_gemv bucket"] = lambda: gemv.mlp_gemv_triton(t(1, D), t(F, D), t(F, D), t(D, F),
                                                                 protos(16, F // FGS), bucket(1, 16), FGS)
     for B in (1, 8):
         cases[f"attn_decode B={B}"] = lambda B=B: attn_decode.attn_decode_triton(
@@ -136,10 +142,10 @@ def record_and_compile(names):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from wide_compile.kernels import attn_decode, attn_prefill, bucket_mlp, compact_mlp, gemv_mlp, norm_router, reorder
+    from wide_compile.kernels import attn_decode, attn_prefill, bucket_mlp, compact_mlp, gemv, norm_router, reorder
 
     rec = Recorder()
-    for mod in (attn_decode, attn_prefill, bucket_mlp, compact_mlp, gemv_mlp, norm_router, reorder):
+    for mod in (attn_decode, attn_prefill, bucket_mlp, compact_mlp, gemv, norm_router, reorder):
         mod._launcher = rec
     cases, out, seen = _cases(), {}, {}
     assert sorted(cases) == sorted(CASE_NAMES), "CASE_NAMES and _cases() list the same cases"
@@ -165,7 +171,7 @@ def record_and_compile(names):
 CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", "o_proj", "mlp_bucket", "q_proj_bucket",
                                                                   "o_proj_bucket", "rmsnorm_router")]
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
-              + ["mlp_gemv bucket"] + [f"attn_decode B={B}" for B in (1, 8)]
+              + ["mlp_gemv bucket", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 
 

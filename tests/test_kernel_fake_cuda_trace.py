@@ -79,7 +79,7 @@ def test_one_token_gemv_bodies():
 
 
 def check_one_token_gemv_bodies():
-    """The one-token GEMVs (gemv_mlp): the free op's (w_down_t read transposed, split partials: 3 launches) and
+    """The one-token GEMVs (gemv): the free op's (w_down_t read transposed, split partials: 3 launches) and
     the bucketed op's (a prototype row picked on the device)."""
     from wide_compile.kernels.bucket_mlp import mlp_bucket_triton
 

@@ -14,7 +14,7 @@ over the prototype's groups, active ones first) gathers x rows by token id and W
 scatters to the tokens' rows at the groups' own columns; tiles past the active width write the inactive groups'
 zeros, so every element is written once. o_proj: program (block, tile of D) loops K over the prototype's active
 groups only, reading a by token id, and stores each token's row at its position. A bucket id outside [0, P)
-gives a NaN row (as bucket_mlp).
+gives a NaN row (as bucket_mlp). One token runs as one GEMV each (gemv.py; config one_token, as bucket_mlp).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 
 from . import reference as _ref
 from .bucket_mlp import check_bucket, config_for, gather_k_triton, gather_n_triton, make_lists
+from .gemv import o_proj_gemv_triton, q_proj_gemv_triton
 from .reorder import alloc
 
 
@@ -86,6 +87,8 @@ def q_proj_bucket_triton(x, w_q, b_q, bucket, protos, group_size: int, *, config
     T, D, Nq, G, P = check_proj_inputs(x, w_q, b_q, bucket, protos, group_size, "q_proj_bucket", grouped_in=False)
     _float_dtype(x, "q_proj_bucket_triton")
     cfg = config_for(T, group_size, x.dtype, x.device, config)
+    if T == 1 and cfg["one_token"] == "gemv":
+        return q_proj_gemv_triton(x, w_q, b_q, protos, bucket, group_size, cfg, wrap)
     out = alloc((T, Nq), x.dtype, x.device)
     if T == 0:
         return out
@@ -102,5 +105,7 @@ def o_proj_bucket_triton(a, w_o, b_o, bucket, protos, group_size: int, *, config
     cfg = config_for(T, group_size, a.dtype, a.device, config)
     if T == 0:
         return alloc((T, D), a.dtype, a.device)
+    if T == 1 and cfg["one_token"] == "gemv":
+        return o_proj_gemv_triton(a, w_o, b_o, protos, bucket, group_size, cfg, wrap)
     lists = make_lists(bucket, protos, cfg, wrap)
     return gather_k_triton(a, w_o, b_o, lists, T, group_size, cfg, compact_a=False, wrap=wrap)

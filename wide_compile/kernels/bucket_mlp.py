@@ -26,7 +26,7 @@ Three launches, no host sync, every buffer a static function of (T, P, F) and th
 The two GEMM kernels also serve the attention projections (bucket_attn.py: bias, q's scatter, o's gathered
 input).
 
-One token (a batch-1 decode step) runs on gemv_mlp's two GEMVs over its prototype's groups (config one_token).
+One token (a batch-1 decode step) runs on gemv's two GEMVs over its prototype's groups (config one_token).
 Few tokens (T <= union_max_t, a decode step) take one block instead ("union" lists, ``_union_lists_kernel``):
 all T tokens over the union of their prototypes' groups, each group's weights read once for every token, and
 the (token, group) pairs off a token's own prototype masked to 0 (as wide.mlp's tile path). Sorting a decode
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
-from . import gemv_mlp
+from . import gemv
 from .compact_mlp import ACT_IDS, fit_shared_memory, gated_act, gather_gemm, shared_memory_bytes
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import DECODE_T, interpreting
@@ -50,7 +50,7 @@ from .tuning import DECODE_T, interpreting
 # Tile configs per device class and phase (decode: T <= DECODE_T). block_m is the token block both GEMMs and the
 # token lists share; union_max_t the largest T that runs as one union block (T <= block_m too); up_* tile the
 # gate/up kernel (N over the compact width, K over D), dn_* the down kernel (N over D, K over the active groups).
-# one_token: "gemv" runs a single token on gemv_mlp's two GEMVs (its own tiles, gemv_mlp.CONFIG_KEYS, may be
+# one_token: "gemv" runs a single token on gemv's two GEMVs (its own tiles, gemv.CONFIG_KEYS, may be
 # given as overrides too), "union" as a one-token union block. The interpreter's tiles are small so the tests'
 # tiny shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
@@ -102,10 +102,10 @@ def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrid
         fitted = fit_shared_memory(view, torch.empty((), dtype=dtype).element_size(), shared_memory_bytes(device))
         cfg.update({k: fitted[k] for k in cfg})
     if overrides:
-        bad = [k for k in overrides if k not in CONFIG_KEYS + gemv_mlp.CONFIG_KEYS]
+        bad = [k for k in overrides if k not in CONFIG_KEYS + gemv.CONFIG_KEYS]
         if bad:
             raise ValueError(f"mlp_bucket config: unknown keys {bad}; the keys are "
-                             f"{CONFIG_KEYS + gemv_mlp.CONFIG_KEYS}")
+                             f"{CONFIG_KEYS + gemv.CONFIG_KEYS}")
         cfg.update(overrides)
     if cfg["one_token"] not in ("gemv", "union"):
         raise ValueError(f"mlp_bucket config: one_token must be 'gemv' or 'union', got {cfg['one_token']!r}")
@@ -547,7 +547,7 @@ def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, 
     if T == 0:
         return alloc((T, D), x.dtype, x.device)
     if T == 1 and cfg["one_token"] == "gemv":
-        return gemv_mlp.mlp_gemv_triton(x, w_gate, w_up, w_down, protos, bucket, group_size, act, cfg, wrap)
+        return gemv.mlp_gemv_triton(x, w_gate, w_up, w_down, protos, bucket, group_size, act, cfg, wrap)
     lists = make_lists(bucket, protos, cfg, wrap)
     h = gate_up_triton(x, w_gate, w_up, lists, group_size, act, cfg, wrap)
     return down_triton(h, w_down, lists, T, group_size, cfg, wrap)

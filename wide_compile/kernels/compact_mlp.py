@@ -357,8 +357,8 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
     cfg = kernel_config(T, D, F, group_size, D, config, elem_size=x.element_size(), device=x.device,
                         tuning=tuning)
     x = x.contiguous()
-    if T == 1 and cfg.get("one_token") == "gemv":  # a batch-1 decode step: gemv_mlp's two GEMVs
-        from .gemv_mlp import mlp_gemv_triton  # gemv_mlp imports this module's gated epilogue
+    if T == 1 and cfg.get("one_token") == "gemv":  # a batch-1 decode step: gemv's two GEMVs
+        from .gemv import mlp_gemv_triton  # gemv imports this module's gated epilogue
 
         return mlp_gemv_triton(x, w_gate, w_up, w_down_t.t(), mask, None, group_size, act, cfg, wrap)
     if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway

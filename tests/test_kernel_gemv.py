@@ -1,11 +1,12 @@
-"""One-token MLP (wide_compile/kernels/gemv_mlp.py): the two GEMV kernels against float64 oracles, on the CPU under
-the Triton interpreter (TRITON_INTERPRET=1, conftest's default) or compiled on a CUDA GPU (TRITON_INTERPRET=0: the
-same cases plus GPU-sized ones at every swept tile).
+"""One-token GEMVs (wide_compile/kernels/gemv.py): the MLP, q_proj and o_proj kernels against float64 oracles, on
+the CPU under the Triton interpreter (TRITON_INTERPRET=1, conftest's default) or compiled on a CUDA GPU
+(TRITON_INTERPRET=0: the same cases plus GPU-sized ones at every swept tile).
 
 Tolerances (relative L2 error over the output row): fp32 <= 1e-5 against a float64 oracle of the same rounded
-inputs; bf16 <= 2e-2 against it and <= 1e-2 against reference.mlp_ref (which rounds h to bf16 as the kernel
-does). An all-off mask gives exact zeros, a prototype id outside [0, P) a NaN row. Every buffer the kernels
-must write (h, the group list, the split partials, the output) is NaN/garbage-poisoned first (reorder.POISON).
+inputs; bf16 <= 2e-2 against it and <= 1e-2 against the reference.py function (which rounds as the kernel does).
+An all-off mask gives exact zeros (o_proj: its bias), q_proj exact zeros on inactive groups' columns, a prototype
+id outside [0, P) a NaN row. Every buffer the kernels must write (h, the group list, the split partials, the
+output) is NaN/garbage-poisoned first (reorder.POISON).
 """
 import importlib
 import os
@@ -18,8 +19,10 @@ import torch.nn.functional as F  # noqa: E402
 
 import wide_compile.kernels  # noqa: E402,F401  (registers torch.ops.wide.*)
 from wide_compile.kernels import bucket_mlp as BK  # noqa: E402
-from wide_compile.kernels import gemv_mlp as GV  # noqa: E402
+from wide_compile.kernels import gemv as GV  # noqa: E402
 from wide_compile.kernels import reference as R  # noqa: E402
+from wide_compile.kernels.bucket_attn import o_proj_bucket_triton, q_proj_bucket_triton  # noqa: E402
+from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
 from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
 from wide_compile.kernels.tuning import table_for  # noqa: E402
 
@@ -210,6 +213,129 @@ def test_config_takes_its_own_keys_only():
     assert GV.config_for("k_contiguous", dict(dn_bn=64, dn_split=8, up_bn=64, gd_split=1)) == dict(base, gd_split=1)
     with pytest.raises(ValueError, match="power of two"):
         GV.config_for("k_contiguous", dict(gd_split=3))
+
+
+# ----------------------------------------------------------------------------- q_proj / o_proj
+
+def make_proj(D, G, gs, dtype, gen, bias):
+    """x [1, D], w_q [Nq, D], b_q, a [1, Nq], w_o [D, Nq] (o_proj.weight), b_o; Nq = G * gs."""
+    Nq = G * gs
+    r = lambda *sh: torch.randn(*sh, generator=gen)  # noqa: E731
+    t = [r(1, D), r(Nq, D) / D ** 0.5, r(Nq) if bias else None, r(1, Nq), r(D, Nq) / Nq ** 0.5,
+         r(D) if bias else None]
+    return [v.to(dtype).to(DEV) if v is not None else None for v in t]
+
+
+def q_oracle(x, w_q, b_q, mask_row, gs):
+    d = torch.float64
+    y = x.to(d).cpu() @ w_q.to(d).cpu().T + (b_q.to(d).cpu() if b_q is not None else 0)
+    return y * mask_row.cpu().repeat_interleave(gs).to(d)[None, :]
+
+
+def o_oracle(a, w_o, b_o, mask_row, gs):
+    d = torch.float64
+    keep = mask_row.cpu().repeat_interleave(gs).to(d)
+    return (a.to(d).cpu() * keep[None, :]) @ w_o.to(d).cpu().T + (b_o.to(d).cpu() if b_o is not None else 0)
+
+
+def check_q(out, x, w_q, b_q, mask_row, gs):
+    assert out.shape == (1, w_q.shape[0]) and out.dtype == x.dtype
+    off = ~mask_row.cpu().repeat_interleave(gs)
+    assert (out.cpu()[0, off] == 0).all(), "inactive groups' columns are exactly 0"
+    if mask_row.any():
+        assert rel(out, q_oracle(x, w_q, b_q, mask_row, gs)) <= TOL[x.dtype]
+        if x.dtype != torch.float32:
+            assert rel(out, R.q_proj_ref(x, w_q, b_q, mask_row[None, :], gs)) <= 1e-2
+
+
+def check_o(out, a, w_o, b_o, mask_row, gs):
+    assert out.shape == (1, w_o.shape[0]) and out.dtype == a.dtype
+    if not mask_row.any() and b_o is None:
+        assert (out == 0).all()
+        return
+    assert rel(out, o_oracle(a, w_o, b_o, mask_row, gs)) <= TOL[a.dtype]
+    if a.dtype != torch.float32:
+        assert rel(out, R.o_proj_ref(a, w_o.t(), b_o, mask_row[None, :], gs)) <= 1e-2
+
+
+PROJ_SHAPES = [(40, 4, 16), (33, 3, 24), (24, 5, 12), (64, 2, 32)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "on", "off", "one", "first"])
+@pytest.mark.parametrize("D,G,gs", PROJ_SHAPES)
+def test_projections_match_oracle(D, G, gs, kind, dtype, bias):
+    gen = torch.Generator().manual_seed(D + 7 * G)
+    x, w_q, b_q, a, w_o, b_o = make_proj(D, G, gs, dtype, gen, bias)
+    mask = make_mask(G, kind, gen).to(DEV)
+    check_q(GV.q_proj_gemv_triton(x, w_q, b_q, mask, None, gs), x, w_q, b_q, mask[0], gs)
+    for w_nk in (w_o, w_o.t().contiguous().t()):                         # o_proj.weight, the free op's w_o_t
+        for cfg in (None, dict(gd_split=1), dict(gd_split=8, gd_bk=8)):
+            check_o(GV.o_proj_gemv_triton(a, w_nk, b_o, mask, None, gs, cfg), a, w_o, b_o, mask[0], gs)
+
+
+def test_projection_tiles_and_strides():
+    """Tiles narrower and wider than a group (a column tile across two groups), a strided a."""
+    gen = torch.Generator().manual_seed(1)
+    x, w_q, b_q, a, w_o, b_o = make_proj(30, 5, 12, torch.float32, gen, True)
+    for kind in ("random", "one"):
+        mask = make_mask(5, kind, gen).to(DEV)
+        for cfg in (dict(gu_bn=8, gu_bk=8), dict(gu_bn=32, gu_bk=64), dict(gu_bn=4)):
+            check_q(GV.q_proj_gemv_triton(x, w_q, b_q, mask, None, 12, cfg), x, w_q, b_q, mask[0], 12)
+        a_wide = torch.stack([a[0], torch.randn_like(a[0])], 1).reshape(1, -1)[:, ::2]   # column stride 2
+        assert a_wide.stride(1) == 2 and torch.equal(a_wide, a)
+        for cfg in (dict(gd_bn=4, gd_bk=8), dict(gd_bk=64, gd_split=1), dict(gd_bk=4, gd_split=4)):
+            check_o(GV.o_proj_gemv_triton(a_wide, w_o, b_o, mask, None, 12, cfg), a, w_o, b_o, mask[0], 12)
+
+
+@pytest.mark.parametrize("b", [0, 1, 3, -1, 4])
+def test_projection_bucket_rows(b):
+    """The bucketed projections at one token run the GEMVs on the token's prototype; ids outside [0, P) NaN."""
+    gen = torch.Generator().manual_seed(20 + b)
+    x, w_q, b_q, a, w_o, b_o = make_proj(40, 4, 16, torch.float32, gen, True)
+    protos = torch.rand(4, 4, generator=gen) < 0.5
+    protos[0], protos[1] = False, True
+    protos = protos.to(DEV)
+    bucket = torch.tensor([b], dtype=torch.int32, device=DEV)
+    q = q_proj_bucket_triton(x, w_q, b_q, bucket, protos, 16)
+    o = o_proj_bucket_triton(a, w_o, b_o, bucket, protos, 16)
+    if not 0 <= b < 4:
+        assert q.isnan().all() and o.isnan().all()
+        return
+    check_q(q, x, w_q, b_q, protos[b], 16)
+    check_o(o, a, w_o, b_o, protos[b], 16)
+
+
+def test_free_projection_ops_run_the_gemv_when_the_tuning_says_so(monkeypatch):
+    calls = []
+    for name in ("q_proj_gemv_triton", "o_proj_gemv_triton"):
+        real = getattr(GV, name)
+        monkeypatch.setattr(f"wide_compile.kernels.compact_attn.{name}",
+                            lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    gen = torch.Generator().manual_seed(8)
+    x, w_q, b_q, a, w_o, b_o = make_proj(40, 4, 16, torch.float32, gen, True)
+    mask = make_mask(4, "random", gen).to(DEV)
+    cfg = {"one_token": "gemv"}
+    check_q(q_proj_triton(x, w_q, b_q, mask, 16, config=cfg), x, w_q, b_q, mask[0], 16)
+    check_o(o_proj_triton(a, w_o.t().contiguous(), b_o, mask, 16, config=cfg), a, w_o, b_o, mask[0], 16)
+    assert calls == ["q_proj_gemv_triton", "o_proj_gemv_triton"]
+    q_proj_triton(x, w_q, b_q, mask, 16)                                 # the shipped table: no one_token
+    assert len(calls) == 2
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projections_large(dtype):  # pragma: no cover
+    gen = torch.Generator().manual_seed(0)
+    x, w_q, b_q, a, w_o, b_o = make_proj(4096, 8, 512, dtype, gen, False)
+    for kind in ("random", "on", "off", "one"):
+        mask = make_mask(8, kind, gen).to(DEV)
+        for cfg in (None,) + GV.GEMV_SWEEP["k_contiguous"]:
+            check_q(GV.q_proj_gemv_triton(x, w_q, b_q, mask, None, 512, cfg), x, w_q, b_q, mask[0], 512)
+        for w_nk, sweep in ((w_o, "k_contiguous"), (w_o.t().contiguous().t(), "d_contiguous")):
+            for cfg in (None,) + GV.GEMV_SWEEP[sweep]:
+                check_o(GV.o_proj_gemv_triton(a, w_nk, b_o, mask, None, 512, cfg), a, w_o, b_o, mask[0], 512)
 
 
 @gpu_only

@@ -1,0 +1,309 @@
+"""One token (a batch-1 decode step) as GEMVs over the token's active groups, at the bandwidth limit: the MLP,
+q_proj and o_proj of wide.mlp / wide.q_proj / wide.o_proj and their bucketed twins.
+
+Semantics: exactly the references (reference.mlp_ref / q_proj_ref / o_proj_ref) for T = 1, with the token's mask
+row either given (free masks: ``mask [1, G]``) or picked from a prototype table (structured masks:
+``protos[bucket[0]]``). Reduction-side weights are read as W[d, k] with any strides (down_proj.weight /
+o_proj.weight as they are, or the free ops' transposed copies):
+
+    MLP:    x [1, D], w_gate / w_up [F, D], W [D, F] -> W[:, active] @ (act(x Wg[active]^T) * (x Wu[active]^T))
+    q_proj: x [1, D], w_q [Nq, D], b_q -> x W_q^T + b on the active groups' columns, exactly 0 on the others
+    o_proj: a [1, Nq], W [D, Nq], b_o -> W[:, active] @ a[active] + b_o
+
+At one token every weight byte is used once, so the work is reading the active groups' weights, nothing else,
+in as few launches as possible:
+
+1. ``_gemv_n_kernel`` (grouped output columns). Gated (gate/up): program n owns compact columns
+   [n BN, (n + 1) BN) of the token's active groups (compact column c = column c % GS of the (c // GS)-th active
+   group, found from the mask row in registers: no reorder launch), streams those gate and up weight rows once
+   over D with fp32 products, and writes h[c] = act(g) * u rounded to x's dtype, plus each of its groups' id into
+   the group list; programs past the active width exit at once. Not gated (q_proj): program n owns full-width
+   columns [n BN, (n + 1) BN) and writes zeros for the inactive groups' columns without reading their weights.
+2. ``_gemv_k_kernel`` (grouped reduction): program (n, s) owns output columns [n BN, (n + 1) BN) and every
+   SPLIT-th K tile of the compact range (the active groups' columns of W: from the group list after the gated
+   kernel, else found in registers); SPLIT = 1 writes the output, else fp32 partials [SPLIT, N] that
+   ``_split_sum_kernel`` adds up (no atomics, no zero fill). The bias is added once.
+A prototype id outside [0, P) gives a NaN output row (as the bucketed references); an all-off mask gives exact
+zeros (plus the o_proj bias). The tiles carry no tensor-core constraint (no tl.dot): products and sums in fp32
+registers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .compact_mlp import ACT_IDS, gated_act
+from .reorder import _as_uint8, _launcher, alloc
+from .tuning import interpreting
+
+# Tiles per device class and per layout of the reduction-side weight ("k_contiguous": W[d, k] rows contiguous over
+# k, as down_proj.weight / o_proj.weight; "d_contiguous": the transposed copies the free ops hold). gu_* tile the
+# grouped-output kernel (BN columns x BK of D), gd_* the reduction kernel (BN output columns x BK compact K, SPLIT
+# slices).
+# benchmarks/bench_bucket_mlp.py --sweep times GEMV_SWEEP.
+CONFIGS = {
+    "cuda": {
+        "k_contiguous": dict(gu_bn=16, gu_bk=256, gu_warps=4, gu_stages=3, gd_bn=16, gd_bk=256, gd_split=4,
+                             gd_warps=4, gd_stages=3),
+        "d_contiguous": dict(gu_bn=16, gu_bk=256, gu_warps=4, gu_stages=3, gd_bn=64, gd_bk=64, gd_split=8,
+                             gd_warps=4, gd_stages=3),
+    },
+    "interpreter": dict(gu_bn=8, gu_bk=16, gu_warps=1, gu_stages=1, gd_bn=8, gd_bk=16, gd_split=2, gd_warps=1,
+                        gd_stages=1),
+}
+CONFIG_KEYS = tuple(CONFIGS["interpreter"])
+GEMV_SWEEP = {
+    "k_contiguous": (
+        dict(gu_bn=16, gu_bk=256, gd_bn=16, gd_bk=256, gd_split=4),
+        dict(gu_bn=8, gu_bk=512, gd_bn=8, gd_bk=512, gd_split=2),
+        dict(gu_bn=32, gu_bk=128, gu_warps=8, gd_bn=32, gd_bk=128, gd_split=8, gd_warps=8),
+        dict(gu_bn=16, gu_bk=512, gu_warps=8, gd_bn=16, gd_bk=512, gd_split=1, gd_warps=8),
+        dict(gu_bn=16, gu_bk=256, gu_stages=1, gd_bn=16, gd_bk=256, gd_split=4, gd_stages=1),
+        dict(gu_bn=8, gu_bk=256, gu_warps=2, gd_bn=8, gd_bk=256, gd_split=8, gd_warps=2),
+    ),
+    "d_contiguous": (
+        dict(gd_bn=64, gd_bk=64, gd_split=8),
+        dict(gd_bn=128, gd_bk=32, gd_split=8),
+        dict(gd_bn=64, gd_bk=128, gd_split=16, gd_warps=8),
+        dict(gd_bn=256, gd_bk=32, gd_split=16, gd_warps=8),
+        dict(gd_bn=32, gd_bk=128, gd_split=4),
+        dict(gd_bn=64, gd_bk=64, gd_split=8, gd_stages=1),
+    ),
+}
+
+
+def layout(w_nk: torch.Tensor) -> str:
+    """A reduction-side weight's layout as W[d, k]: rows contiguous over k (the Linear's weight) or columns over d
+    (its transposed copy)."""
+    return "k_contiguous" if w_nk.stride(1) == 1 else "d_contiguous"
+
+
+def config_for(kind: str, overrides: Optional[dict] = None) -> dict:
+    """The tile config for a down weight of layout `kind` (the interpreter's under TRITON_INTERPRET=1), then
+    the `overrides` that name GEMV keys (other keys are the callers' own and pass by)."""
+    cfg = dict(CONFIGS["interpreter"] if interpreting() else CONFIGS["cuda"][kind])
+    cfg.update({k: v for k, v in (overrides or {}).items() if k in CONFIG_KEYS})
+    for k in ("gu_bn", "gu_bk", "gd_bn", "gd_bk", "gd_split"):
+        if cfg[k] < 1 or cfg[k] & (cfg[k] - 1):
+            raise ValueError(f"one-token GEMV config: {k} must be a power of two, got {cfg[k]}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _mask_row(mask_ptr, bucket_ptr, P, G: tl.constexpr, BUCKET: tl.constexpr):
+    # (pointer to the token's mask row, the value its outputs get added: 0, or NaN for a prototype id outside
+    # [0, P))
+    if BUCKET:
+        b = tl.load(bucket_ptr).to(tl.int64)
+        ok = (b >= 0) & (b < P)
+        row = mask_ptr + tl.where(ok, b, 0) * G
+        fill = tl.where(ok, 0.0, float("nan"))
+    else:
+        row = mask_ptr
+        fill = 0.0
+    return row, fill
+
+
+@triton.jit
+def _nth_active(row, j, G: tl.constexpr, GP2: tl.constexpr):
+    # the j-th active group of the mask row, for each j of a vector ([n] -> [n]; the row's count first)
+    gs = tl.arange(0, GP2)
+    act = (tl.load(row + gs, mask=gs < G, other=0) != 0).to(tl.int32)
+    excl = tl.cumsum(act, axis=0) - act                                  # [GP2] compact index of each group
+    hit = (act[None, :] != 0) & (excl[None, :] == j[:, None])           # [n, GP2]
+    return tl.sum(tl.where(hit, gs[None, :], 0), axis=1)
+
+
+@triton.jit
+def _n_active(row, G: tl.constexpr, GP2: tl.constexpr):
+    gs = tl.arange(0, GP2)
+    return tl.sum((tl.load(row + gs, mask=gs < G, other=0) != 0).to(tl.int32), axis=0)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, bucket_ptr, P, D, N, stride_xk,
+                   stride_w1n, stride_w1k, stride_w2n, stride_w2k, G: tl.constexpr, GP2: tl.constexpr,
+                   GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BUCKET: tl.constexpr, ACT: tl.constexpr):
+    # GATED: compact columns, h = act(x W1^T) * (x W2^T) and the group list; else full-width columns, x W1^T + b
+    # on the active groups and exact zeros on the others
+    n = tl.program_id(0)
+    row, fill = _mask_row(mask_ptr, bucket_ptr, P, G, BUCKET)
+    c = n * BN + tl.arange(0, BN)                                        # [BN]
+    if GATED:
+        width = _n_active(row, G, GP2) * GS
+        if n * BN >= width:
+            return
+        on = c < width
+        j = c // GS
+        g = _nth_active(row, j, G, GP2)                                  # [BN] the j-th active group
+        rows = (g * GS + c % GS).to(tl.int64)
+    else:
+        cvalid = c < N
+        on = cvalid & (tl.load(row + c // GS, mask=cvalid, other=0) != 0)
+        if tl.max(on.to(tl.int32), axis=0) == 0:  # only inactive groups' columns: zeros, no weights read
+            tl.store(out_ptr + c, (tl.zeros([BN], dtype=tl.float32) + fill).to(out_ptr.dtype.element_ty),
+                     mask=cvalid)
+            return
+        rows = c.to(tl.int64)
+    acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+    acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        kv = k < D
+        xv = tl.load(x_ptr + k * stride_xk, mask=kv, other=0.0).to(tl.float32)                        # [BK]
+        wm = on[:, None] & kv[None, :]
+        w1 = tl.load(w1_ptr + rows[:, None] * stride_w1n + k[None, :] * stride_w1k, mask=wm, other=0.0)
+        acc1 += w1.to(tl.float32) * xv[None, :]
+        if GATED:
+            w2 = tl.load(w2_ptr + rows[:, None] * stride_w2n + k[None, :] * stride_w2k, mask=wm, other=0.0)
+            acc2 += w2.to(tl.float32) * xv[None, :]
+    if GATED:
+        h = gated_act(tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), ACT)
+        tl.store(out_ptr + c, h.to(out_ptr.dtype.element_ty), mask=on)
+        tl.store(glist_ptr + j, g, mask=on & (c % GS == 0))
+    else:
+        y = tl.sum(acc1, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + c, mask=on, other=0.0).to(tl.float32)
+        y = y.to(out_ptr.dtype.element_ty)  # rounded once, then exact zeros on the inactive groups' columns
+        y = tl.where(on, y, 0.0).to(tl.float32) + fill
+        tl.store(out_ptr + c, y.to(out_ptr.dtype.element_ty), mask=cvalid)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, bucket_ptr, P, N, stride_wn,
+                   stride_wk, G: tl.constexpr, GP2: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, SPLIT: tl.constexpr, COMPACT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BUCKET: tl.constexpr):
+    # out[:N] = W[:, active] @ a[active] (+ b). COMPACT_A: a is the compact h of the gated kernel and the group
+    # list says whose columns it holds; else a is full width and each K tile's groups are found in registers
+    n = tl.program_id(0)
+    s = tl.program_id(1)
+    row, fill = _mask_row(mask_ptr, bucket_ptr, P, G, BUCKET)
+    width = _n_active(row, G, GP2) * GS
+    cols = n * BN + tl.arange(0, BN)
+    cvalid = cols < N
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(s * BK, width, SPLIT * BK):  # compact K tiles s, s + SPLIT, ...
+        kc = k0 + tl.arange(0, BK)
+        kv = kc < width
+        if COMPACT_A:
+            g = tl.load(glist_ptr + kc // GS, mask=kv, other=0)
+        else:
+            g = _nth_active(row, kc // GS, G, GP2)
+        kf = (g * GS + kc % GS).to(tl.int64)                             # [BK] W's columns
+        if COMPACT_A:
+            av = tl.load(a_ptr + kc, mask=kv, other=0.0).to(tl.float32)
+        else:
+            av = tl.load(a_ptr + kf, mask=kv, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + kf[None, :] * stride_wk,
+                    mask=cvalid[:, None] & kv[None, :], other=0.0)                                    # [BN, BK]
+        acc += w.to(tl.float32) * av[None, :]
+    y = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, (y + fill).to(out_ptr.dtype.element_ty), mask=cvalid)
+    else:
+        tl.store(part_ptr + s * N + cols, y, mask=cvalid)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, mask_ptr, bucket_ptr, P, N, G: tl.constexpr, SPLIT: tl.constexpr,
+                      BN: tl.constexpr, HAS_BIAS: tl.constexpr, BUCKET: tl.constexpr):
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    cvalid = cols < N
+    _, fill = _mask_row(mask_ptr, bucket_ptr, P, G, BUCKET)
+    s = tl.arange(0, SPLIT)
+    part = tl.load(part_ptr + s[:, None] * N + cols[None, :], mask=cvalid[None, :], other=0.0)     # [SPLIT, BN]
+    y = tl.sum(part, axis=0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, (y + fill).to(out_ptr.dtype.element_ty), mask=cvalid)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _row_args(mask8, bucket):
+    """(mask as uint8 [P, G], the bucket pointer or a placeholder the kernels never read, P, BUCKET)."""
+    mask8 = _as_uint8(mask8)
+    use_bucket = bucket is not None
+    return mask8, (bucket.contiguous() if use_bucket else mask8), mask8.shape[0], use_bucket
+
+
+def _reduce(a, w_nk, bias, glist, mask8, bk, P, use_bucket, G, group_size, cfg, compact_a, wrap):
+    """out [1, N] = W[:, active] @ a[active] (+ bias): _gemv_k_kernel, then _split_sum_kernel when split."""
+    N = w_nk.shape[0]
+    out = alloc((1, N), a.dtype, a.device)
+    split = cfg["gd_split"]
+    part = alloc((split, N), torch.float32, a.device) if split > 1 else out
+    b_ = bias if bias is not None else w_nk
+    _launcher(_gemv_k_kernel, wrap)[(triton.cdiv(N, cfg["gd_bn"]), split)](
+        a, w_nk, b_, out, part, glist, mask8, bk, P, N, w_nk.stride(0), w_nk.stride(1),
+        G=G, GP2=triton.next_power_of_2(G), GS=group_size, BN=cfg["gd_bn"], BK=cfg["gd_bk"], SPLIT=split,
+        COMPACT_A=compact_a, HAS_BIAS=bias is not None, BUCKET=use_bucket, num_warps=cfg["gd_warps"],
+        num_stages=cfg["gd_stages"])
+    if split > 1:
+        bn = min(1024, triton.next_power_of_2(N))
+        _launcher(_split_sum_kernel, wrap)[(triton.cdiv(N, bn),)](
+            part, b_, out, mask8, bk, P, N, G=G, SPLIT=split, BN=bn, HAS_BIAS=bias is not None, BUCKET=use_bucket,
+            num_warps=4)
+    return out
+
+
+def mlp_gemv_triton(x, w_gate, w_up, w_down_nk, mask8, bucket: Optional[torch.Tensor], group_size: int,
+                    act: str = "silu", config: Optional[dict] = None, wrap: bool = False) -> torch.Tensor:
+    """x [1, D], w_gate / w_up [F, D], w_down_nk [D, F] as W[d, k] (any strides: down_proj.weight, or
+    w_down_t.t()), mask8 uint8 / bool [P, G] with bucket int [1] (the token's row is mask8[bucket[0]]) or [1, G]
+    with bucket None -> [1, D]. Shapes are the callers' to check (compact_mlp.mlp_triton, bucket_mlp); config:
+    overrides of CONFIG_KEYS (other keys ignored)."""
+    _, D = x.shape
+    F = w_gate.shape[0]
+    G = F // group_size
+    cfg = config_for(layout(w_down_nk), config)
+    mask8, bk, P, use_bucket = _row_args(mask8, bucket)
+    h = alloc((F,), x.dtype, x.device)
+    glist = alloc((G,), torch.int32, x.device)
+    _launcher(_gemv_n_kernel, wrap)[(triton.cdiv(F, cfg["gu_bn"]),)](
+        x, w_gate, w_up, w_gate, h, glist, mask8, bk, P, D, F, x.stride(1), w_gate.stride(0), w_gate.stride(1),
+        w_up.stride(0), w_up.stride(1), G=G, GP2=triton.next_power_of_2(G), GS=group_size, BN=cfg["gu_bn"],
+        BK=cfg["gu_bk"], GATED=True, HAS_BIAS=False, BUCKET=use_bucket, ACT=ACT_IDS[act], num_warps=cfg["gu_warps"],
+        num_stages=cfg["gu_stages"])
+    return _reduce(h, w_down_nk, None, glist, mask8, bk, P, use_bucket, G, group_size, cfg, True, wrap)
+
+
+def q_proj_gemv_triton(x, w_q, b_q, mask8, bucket: Optional[torch.Tensor], group_size: int,
+                       config: Optional[dict] = None, wrap: bool = False) -> torch.Tensor:
+    """x [1, D], w_q [Nq, D], b_q [Nq] or None, mask8 / bucket as in mlp_gemv_triton -> [1, Nq]: x W_q^T + b on
+    the token's groups (rounded once), exactly 0 on the others. One launch."""
+    _, D = x.shape
+    Nq = w_q.shape[0]
+    G = Nq // group_size
+    cfg = config_for("k_contiguous", config)
+    mask8, bk, P, use_bucket = _row_args(mask8, bucket)
+    out = alloc((1, Nq), x.dtype, x.device)
+    _launcher(_gemv_n_kernel, wrap)[(triton.cdiv(Nq, cfg["gu_bn"]),)](
+        x, w_q, w_q, b_q if b_q is not None else w_q, out, mask8, mask8, bk, P, D, Nq, x.stride(1), w_q.stride(0),
+        w_q.stride(1), w_q.stride(0), w_q.stride(1), G=G, GP2=triton.next_power_of_2(G), GS=group_size,
+        BN=cfg["gu_bn"], BK=cfg["gu_bk"], GATED=False, HAS_BIAS=b_q is not None, BUCKET=use_bucket, ACT=0,
+        num_warps=cfg["gu_warps"], num_stages=cfg["gu_stages"])
+    return out
+
+
+def o_proj_gemv_triton(a, w_o_nk, b_o, mask8, bucket: Optional[torch.Tensor], group_size: int,
+                       config: Optional[dict] = None, wrap: bool = False) -> torch.Tensor:
+    """a [1, Nq] (any column stride), w_o_nk [D, Nq] as W[d, k] (any strides: o_proj.weight, or w_o_t.t()),
+    b_o [D] or None, mask8 / bucket as in mlp_gemv_triton -> [1, D]: W[:, active] @ a[active] + b_o."""
+    Nq = a.shape[1]
+    G = Nq // group_size
+    cfg = config_for(layout(w_o_nk), config)
+    mask8, bk, P, use_bucket = _row_args(mask8, bucket)
+    a = a if a.stride(1) == 1 else a.contiguous()
+    return _reduce(a, w_o_nk, b_o, mask8, mask8, bk, P, use_bucket, G, group_size, cfg, False, wrap)
