@@ -39,7 +39,8 @@ def test_sweep_rows_and_nested_prototypes(tmp_path):
 
     data = bench_bucket_mlp.main(["--dry-run", "--sweep", "--ts", "3", "--out", str(tmp_path)])
     names = [r["variant"] for r in data["rows"]]
-    assert names == list(VARIANTS) + [f"bucket_codebook_{i}" for i in range(len(bucket_mlp.SWEEP["decode"]))]
+    assert names == (list(VARIANTS) + ["bucket_codebook_dense"]
+                     + [f"bucket_codebook_{i}" for i in range(len(bucket_mlp.SWEEP["decode"]))])
     from wide_compile.kernels import gemv
 
     data = bench_bucket_mlp.main(["--dry-run", "--sweep", "--ts", "1", "--out", str(tmp_path)])

@@ -14,7 +14,8 @@ over the prototype's groups, active ones first) gathers x rows by token id and W
 scatters to the tokens' rows at the groups' own columns; tiles past the active width write the inactive groups'
 zeros, so every element is written once. o_proj: program (block, tile of D) loops K over the prototype's active
 groups only, reading a by token id, and stores each token's row at its position. A bucket id outside [0, P)
-gives a NaN row (as bucket_mlp). One token runs as one GEMV each (gemv.py; config one_token, as bucket_mlp).
+gives a NaN row (as bucket_mlp). One token runs as one GEMV each (gemv.py; config one_token), and few tokens
+optionally as dense GEMMs with their masks applied (config few_tokens), as bucket_mlp.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from typing import Optional
 import torch
 
 from . import reference as _ref
-from .bucket_mlp import check_bucket, config_for, gather_k_triton, gather_n_triton, make_lists
+from .bucket_mlp import (check_bucket, config_for, gather_k_triton, gather_n_triton, make_lists, mask_and_valid,
+                         nan_rows, uses_dense)
+from .dense_masked import o_proj_dense_masked, q_proj_dense_masked
 from .gemv import o_proj_gemv_triton, q_proj_gemv_triton
 from .reorder import alloc
 
@@ -50,29 +53,19 @@ def check_proj_inputs(inp, w, bias, bucket, protos, group_size: int, name: str, 
     return T, K, N, split // group_size, P
 
 
-def _mask_and_valid(bucket, protos):
-    P = protos.shape[0]
-    valid = (bucket >= 0) & (bucket < P)                                  # [T]
-    return protos[torch.where(valid, bucket, 0).long()] & valid[:, None], valid
-
-
-def _nan_rows(out, valid):
-    return torch.where(valid[:, None], out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
-
-
 def q_proj_bucket_ref(x, w_q, b_q: Optional[torch.Tensor], bucket, protos, group_size: int) -> torch.Tensor:
     """reference.q_proj_ref with mask = protos[bucket]; ids outside [0, P) give NaN rows."""
     check_proj_inputs(x, w_q, b_q, bucket, protos, group_size, "q_proj_bucket", grouped_in=False)
-    mask, valid = _mask_and_valid(bucket, protos)
-    return _nan_rows(_ref.q_proj_ref(x, w_q, b_q, mask, group_size), valid)
+    mask, valid = mask_and_valid(bucket, protos)
+    return nan_rows(_ref.q_proj_ref(x, w_q, b_q, mask, group_size), valid)
 
 
 def o_proj_bucket_ref(a, w_o, b_o: Optional[torch.Tensor], bucket, protos, group_size: int) -> torch.Tensor:
     """reference.o_proj_ref (w_o [D, Nq] = o_proj.weight) with mask = protos[bucket]; ids outside [0, P) give
     NaN rows."""
     check_proj_inputs(a, w_o, b_o, bucket, protos, group_size, "o_proj_bucket", grouped_in=True)
-    mask, valid = _mask_and_valid(bucket, protos)
-    return _nan_rows(_ref.o_proj_ref(a, w_o.t(), b_o, mask, group_size), valid)
+    mask, valid = mask_and_valid(bucket, protos)
+    return nan_rows(_ref.o_proj_ref(a, w_o.t(), b_o, mask, group_size), valid)
 
 
 def _float_dtype(t, name):
@@ -89,6 +82,9 @@ def q_proj_bucket_triton(x, w_q, b_q, bucket, protos, group_size: int, *, config
     cfg = config_for(T, group_size, x.dtype, x.device, config)
     if T == 1 and cfg["one_token"] == "gemv":
         return q_proj_gemv_triton(x, w_q, b_q, protos, bucket, group_size, cfg, wrap)
+    if uses_dense(T, cfg):
+        mask, valid = mask_and_valid(bucket, protos)
+        return nan_rows(q_proj_dense_masked(x, w_q, b_q, mask, group_size), valid)
     out = alloc((T, Nq), x.dtype, x.device)
     if T == 0:
         return out
@@ -107,5 +103,8 @@ def o_proj_bucket_triton(a, w_o, b_o, bucket, protos, group_size: int, *, config
         return alloc((T, D), a.dtype, a.device)
     if T == 1 and cfg["one_token"] == "gemv":
         return o_proj_gemv_triton(a, w_o, b_o, protos, bucket, group_size, cfg, wrap)
+    if uses_dense(T, cfg):
+        mask, valid = mask_and_valid(bucket, protos)
+        return nan_rows(o_proj_dense_masked(a, w_o.t(), b_o, mask, group_size), valid)
     lists = make_lists(bucket, protos, cfg, wrap)
     return gather_k_triton(a, w_o, b_o, lists, T, group_size, cfg, compact_a=False, wrap=wrap)

@@ -27,7 +27,8 @@ The two GEMM kernels also serve the attention projections (bucket_attn.py: bias,
 input).
 
 One token (a batch-1 decode step) runs on gemv's two GEMVs over its prototype's groups (config one_token).
-Few tokens (T <= union_max_t, a decode step) take one block instead ("union" lists, ``_union_lists_kernel``):
+Few tokens (T <= union_max_t, a decode step) take one block instead (or, with config few_tokens="dense", dense
+GEMMs with their masks applied, as wide.mlp's small-batch path) ("union" lists, ``_union_lists_kernel``):
 all T tokens over the union of their prototypes' groups, each group's weights read once for every token, and
 the (token, group) pairs off a token's own prototype masked to 0 (as wide.mlp's tile path). Sorting a decode
 batch into buckets would read the weights of every bucket's prototype separately.
@@ -44,6 +45,7 @@ import triton.language as tl
 from . import reference as _ref
 from . import gemv
 from .compact_mlp import ACT_IDS, fit_shared_memory, gated_act, gather_gemm, shared_memory_bytes
+from .dense_masked import mlp_dense_masked
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import DECODE_T, interpreting
 
@@ -51,20 +53,21 @@ from .tuning import DECODE_T, interpreting
 # token lists share; union_max_t the largest T that runs as one union block (T <= block_m too); up_* tile the
 # gate/up kernel (N over the compact width, K over D), dn_* the down kernel (N over D, K over the active groups).
 # one_token: "gemv" runs a single token on gemv's two GEMVs (its own tiles, gemv.CONFIG_KEYS, may be
-# given as overrides too), "union" as a one-token union block. The interpreter's tiles are small so the tests'
+# given as overrides too), "union" as a one-token union block. few_tokens: what runs the tokens of a union block
+# (2 <= T, uses_union): "union" the block, "dense" dense GEMMs with the mask applied (dense_masked.py). The interpreter's tiles are small so the tests'
 # tiny shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
                        dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1, union_max_t=DECODE_T,
-                       one_token="gemv"),
+                       one_token="gemv", few_tokens="union"),
         "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
                         dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8, union_max_t=DECODE_T,
-                        one_token="gemv"),
+                        one_token="gemv", few_tokens="union"),
     },
     "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
                         dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2, union_max_t=DECODE_T,
-                        one_token="gemv"),
+                        one_token="gemv", few_tokens="union"),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
 SWEEP = {
@@ -109,6 +112,8 @@ def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrid
         cfg.update(overrides)
     if cfg["one_token"] not in ("gemv", "union"):
         raise ValueError(f"mlp_bucket config: one_token must be 'gemv' or 'union', got {cfg['one_token']!r}")
+    if cfg["few_tokens"] not in ("union", "dense"):
+        raise ValueError(f"mlp_bucket config: few_tokens must be 'union' or 'dense', got {cfg['few_tokens']!r}")
     for k in ("block_m", "up_bn", "up_bk", "dn_bn", "dn_bk"):
         if cfg[k] < 16 or cfg[k] & (cfg[k] - 1):
             raise ValueError(f"mlp_bucket config: {k} must be a power of two >= 16 (tl.dot), got {cfg[k]}")
@@ -118,6 +123,23 @@ def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrid
 def uses_union(T: int, cfg: dict) -> bool:
     """One block over the union of the tokens' prototypes (few tokens) instead of bucket lists."""
     return T <= min(cfg["union_max_t"], cfg["block_m"])
+
+
+def uses_dense(T: int, cfg: dict) -> bool:
+    """Dense GEMMs with the tokens' masks applied instead of the union block (config few_tokens="dense")."""
+    return 2 <= T and uses_union(T, cfg) and cfg["few_tokens"] == "dense"
+
+
+def mask_and_valid(bucket: torch.Tensor, protos: torch.Tensor) -> tuple:
+    """(mask [T, G] = protos[bucket], all-off for ids outside [0, P); valid [T]: the id is in [0, P))."""
+    P = protos.shape[0]
+    valid = (bucket >= 0) & (bucket < P)
+    return protos[torch.where(valid, bucket, 0).long()] & valid[:, None], valid
+
+
+def nan_rows(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """out with NaN rows where the token's id is outside [0, P)."""
+    return torch.where(valid[:, None], out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
 
 
 def n_blocks(T: int, P: int, block_m: int) -> int:
@@ -169,10 +191,8 @@ def mlp_bucket_ref(x, w_gate, w_up, w_down, bucket, protos, group_size: int, act
     """Plain PyTorch reference: reference.mlp_ref (fp32 accumulation, float64 for float64 inputs, h rounded to
     x's dtype) with mask = protos[bucket]; a token whose bucket id is outside [0, P) gets a NaN row."""
     T, D, F, G, P = check_inputs(x, w_gate, w_up, w_down, bucket, protos, group_size, act)
-    valid = (bucket >= 0) & (bucket < P)                                  # [T]
-    mask = protos[torch.where(valid, bucket, 0).long()] & valid[:, None]  # [T, G]
-    out = _ref.mlp_ref(x, w_gate, w_up, w_down.t(), mask, group_size, act)
-    return torch.where(valid[:, None], out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
+    mask, valid = mask_and_valid(bucket, protos)                         # [T, G], [T]
+    return nan_rows(_ref.mlp_ref(x, w_gate, w_up, w_down.t(), mask, group_size, act), valid)
 
 
 def bucket_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int) -> tuple:
@@ -548,6 +568,9 @@ def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, 
         return alloc((T, D), x.dtype, x.device)
     if T == 1 and cfg["one_token"] == "gemv":
         return gemv.mlp_gemv_triton(x, w_gate, w_up, w_down, protos, bucket, group_size, act, cfg, wrap)
+    if uses_dense(T, cfg):
+        mask, valid = mask_and_valid(bucket, protos)
+        return nan_rows(mlp_dense_masked(x, w_gate, w_up, w_down.t(), mask, group_size, act), valid)
     lists = make_lists(bucket, protos, cfg, wrap)
     h = gate_up_triton(x, w_gate, w_up, lists, group_size, act, cfg, wrap)
     return down_triton(h, w_down, lists, T, group_size, cfg, wrap)
