@@ -46,10 +46,10 @@ from .tuning import interpreting
 # benchmarks/bench_bucket_mlp.py --sweep times GEMV_SWEEP.
 CONFIGS = {
     "cuda": {
-        "k_contiguous": dict(gu_bn=16, gu_bk=256, gu_warps=4, gu_stages=3, gd_bn=16, gd_bk=256, gd_split=4,
-                             gd_warps=4, gd_stages=3),
-        "d_contiguous": dict(gu_bn=16, gu_bk=256, gu_warps=4, gu_stages=3, gd_bn=64, gd_bk=64, gd_split=8,
-                             gd_warps=4, gd_stages=3),
+        "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gd_bn=8, gd_bk=256, gd_split=8,
+                             gd_warps=2, gd_stages=3),
+        "d_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gd_bn=64, gd_bk=128, gd_split=16,
+                             gd_warps=8, gd_stages=3),
     },
     "interpreter": dict(gu_bn=8, gu_bk=16, gu_warps=1, gu_stages=1, gd_bn=8, gd_bk=16, gd_split=2, gd_warps=1,
                         gd_stages=1),

@@ -1,0 +1,159 @@
+"""The one-token GEMV kernels (wide_compile/kernels/gemv.py) one at a time, over a grid of tiles.
+
+    python benchmarks/bench_gemv.py --out DIR [--capacity 0.5]
+
+Llama-3.1-8B shapes in bf16 at T = 1, one random mask of the given capacity (FFN groups of 64, head groups of 512
+columns): the gate/up kernel (gated, compact output), the down kernel on both layouts of the down weight
+(down_proj.weight: "k_contiguous"; the free op's transposed copy: "d_contiguous", plus its split sum), q_proj
+and o_proj. Each kernel alone, for each tile of the grid, captured 20 times in one CUDA graph; a row is the median
+per call over the graph's replays (CUDA events) with the bytes of weights it must read and the rate that gives.
+Beside them, cuBLAS reading the same bytes: F.linear of x on the active rows' weights, contiguous (a statically
+pruned layer). Writes DIR/gemv.json and DIR/gemv.md (command, GPU, date).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+D, F, FGS, NQ, HGS = 4096, 14336, 64, 4096, 512
+GU = [dict(gu_bn=bn, gu_bk=bk, gu_warps=w) for bn, bk, w in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024),
+                                                                                   (1, 2, 4)) if bn * bk <= 8192]
+GD = {"k_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, bk, s, w in
+                       itertools.product((4, 8, 16), (256, 512), (4, 8, 16), (1, 2, 4))],
+      "d_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, bk, s, w in
+                       itertools.product((64, 128, 256), (16, 32, 64), (8, 16, 32), (4, 8)) if bn * bk <= 8192]}
+
+
+def timed(fn, reps: int = 20, replays: int = 30) -> float:
+    """Median ms per call: `reps` calls captured in one CUDA graph, each replay timed with events."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / reps)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--capacity", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+    import torch.nn.functional as Fn
+    import triton
+
+    from wide_compile.kernels import gemv as GV
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemv.py times CUDA kernels: run it on a GPU")
+    gen = torch.Generator().manual_seed(args.seed)
+    dev, bf = "cuda", torch.bfloat16
+    r = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to(dev, bf)  # noqa: E731
+    x, wg, wu, wd = r(1, D), r(F, D), r(F, D), r(D, F)
+    wd_t = wd.t().contiguous()
+    wq, wo = r(NQ, D), r(D, NQ)
+    wo_t = wo.t().contiguous()
+    G, GQ = F // FGS, NQ // HGS
+    m = (torch.rand(1, G, generator=gen) < args.capacity).to(dev).to(torch.uint8)
+    mq = (torch.rand(1, GQ, generator=gen) < args.capacity).to(dev).to(torch.uint8)
+    mq[0, 0] = 1
+    act_f = int(m.sum()) * FGS
+    act_q = int(mq.sum()) * HGS
+    rows = []
+    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), capacity=args.capacity,
+                active_ffn_groups=int(m.sum()), active_head_groups=int(mq.sum()),
+                command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)))
+    os.makedirs(args.out, exist_ok=True)
+
+    def add(kernel, layout, cfg, ms, nbytes):
+        rows.append(dict(kernel=kernel, layout=layout, config=cfg, ms=ms, bytes=nbytes, tb_s=nbytes / ms / 1e9))
+
+    def save():  # after every kernel: a run cut short keeps its rows
+        write(args, info, rows, G, GQ)
+
+    h = torch.empty(F, dtype=bf, device=dev)
+    glist = torch.empty(G, dtype=torch.int32, device=dev)
+    gp2 = triton.next_power_of_2(G)
+
+    def gate_up(cfg):
+        GV._gemv_n_kernel[(triton.cdiv(F, cfg["gu_bn"]),)](
+            x, wg, wu, wg, h, glist, m, m, 1, D, F, 1, D, 1, D, 1, G=G, GP2=gp2, GS=FGS, BN=cfg["gu_bn"],
+            BK=cfg["gu_bk"], GATED=True, HAS_BIAS=False, BUCKET=False, ACT=0, num_warps=cfg["gu_warps"], num_stages=1)
+
+    # cuBLAS on the same bytes, contiguous: the statically pruned layer's GEMVs
+    keep = torch.nonzero(m[0].bool().repeat_interleave(FGS)).flatten()
+    wg_s, wu_s, wd_s = wg[keep].contiguous(), wu[keep].contiguous(), wd[:, keep].contiguous()
+    hs = torch.randn(1, len(keep), generator=gen).to(dev, bf)
+    add("cublas gate+up", "-", {}, timed(lambda: (Fn.linear(x, wg_s), Fn.linear(x, wu_s))), 2 * act_f * D * 2)
+    add("cublas down", "k_contiguous", {}, timed(lambda: Fn.linear(hs, wd_s)), act_f * D * 2)
+    save()
+    for cfg in GU:
+        add("gate_up", "-", cfg, timed(lambda c=cfg: gate_up(c)), 2 * act_f * D * 2)
+    save()
+    gate_up(GU[0])  # h and the group list for the down kernels
+    for lay, w_nk in (("k_contiguous", wd), ("d_contiguous", wd_t.t())):
+        for cfg in GD[lay]:
+            c = dict(GV.config_for(lay), **cfg)
+
+            def down(c=c, w=w_nk):
+                return GV._reduce(h, w, None, glist, m, m, 1, False, G, FGS, c, True, False)
+            add("down", lay, cfg, timed(down), act_f * D * 2)
+        save()
+    for cfg in GU:
+        c = dict(GV.config_for("k_contiguous"), **cfg)
+        add("q_proj", "-", cfg, timed(lambda c=c: GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c)), act_q * D * 2)
+    save()
+    a = r(1, NQ)
+    for lay, w_nk in (("k_contiguous", wo), ("d_contiguous", wo_t.t())):
+        for cfg in GD[lay]:
+            c = dict(GV.config_for(lay), **cfg)
+            add("o_proj", lay, cfg, timed(lambda c=c, w=w_nk: GV.o_proj_gemv_triton(a, w, None, mq, None, HGS, c)),
+                act_q * D * 2)
+        save()
+    print(open(os.path.join(args.out, "gemv.md")).read())
+
+
+def write(args, info, rows, G, GQ):
+    with open(os.path.join(args.out, "gemv.json"), "w") as f:
+        json.dump(dict(rows=rows, **info), f, indent=1)
+    lines = [f"# One-token GEMV kernels ({info['device']})", "", f"command: `{info['command']}`  ",
+             f"date: {info['date']}, torch {info['torch']}, triton {info['triton']}; bf16, 8B shapes, capacity "
+             f"{args.capacity} ({info['active_ffn_groups']}/{G} FFN groups, {info['active_head_groups']}/{GQ} head "
+             "groups); median ms per call, 20 calls per CUDA graph", "",
+             "Best five per kernel and layout:", "", "| kernel | layout | config | ms | TB/s |", "|---|---|---|---|---|"]
+    for key in sorted({(r["kernel"], r["layout"]) for r in rows}):
+        best = sorted((r for r in rows if (r["kernel"], r["layout"]) == key), key=lambda r: r["ms"])[:5]
+        lines += [f"| {r['kernel']} | {r['layout']} | {json.dumps(r['config'])} | {r['ms'] * 1e3:.1f} us | "
+                  f"{r['tb_s']:.2f} |" for r in best]
+    with open(os.path.join(args.out, "gemv.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
