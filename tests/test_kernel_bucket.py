@@ -107,11 +107,13 @@ def oracle_f64(x, wg, wu, wd, bucket, protos, gs, act):
 def mode_config(T, mode):
     """Tile overrides that run T tokens as the default does ("default": one token on gemv's GEMVs, a few as
     one union block, more as bucket lists), or the other way ("other": bucket lists for one or a few tokens, one
-    union block for more), or "dense" (few tokens as dense GEMMs with their masks applied)."""
+    union block for more), or "few" (few tokens the other way: dense GEMMs with their masks applied where the
+    default is the union block, and the other way round)."""
     if mode == "default":
         return None
-    if mode == "dense":  # few tokens as dense GEMMs with their masks applied
-        return dict(few_tokens="dense")
+    if mode == "few":  # few tokens the other way than the device's default (union block / dense GEMMs + masks)
+        default = BK.config_for(max(T, 2), 16, torch.float32, DEV)["few_tokens"]
+        return dict(few_tokens="dense" if default == "union" else "union")
     if T <= BK.CONFIGS["interpreter"]["union_max_t"]:
         return dict(union_max_t=0, one_token="union")
     bm = max(16, 1 << (T - 1).bit_length())
@@ -180,7 +182,7 @@ def test_lists_out_of_range_ids_form_their_own_bucket():
 
 # ----------------------------------------------------------------------------- the MLP
 
-@pytest.mark.parametrize("mode", ["default", "other", "dense"])
+@pytest.mark.parametrize("mode", ["default", "other", "few"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
 @pytest.mark.parametrize("T", [1, 3, 17, 70])
@@ -227,7 +229,7 @@ def test_mlp_bucket_strided_weights():
     assert rel(out, BK.mlp_bucket_ref(x.double(), wg.double(), wu.double(), wd.double(), bucket, protos, 16)) <= 1e-4
 
 
-@pytest.mark.parametrize("mode", ["default", "other", "dense"])
+@pytest.mark.parametrize("mode", ["default", "other", "few"])
 def test_out_of_range_ids_give_nan_rows_on_the_kernel_path(mode):
     x, wg, wu, wd, bucket, protos = make_case(9, 16, 3, 16, 2, torch.float32)
     bucket[2], bucket[5] = 2, -1
@@ -417,7 +419,7 @@ def proj_case(T, D, G, cols, P, dtype, bias, protos_kind="mixed", seed=0):
     return [None if t is None else t.to(DEV) for t in (x, wq, bq, a, wo, bo, bucket, protos)]
 
 
-@pytest.mark.parametrize("mode", ["default", "other", "dense"])
+@pytest.mark.parametrize("mode", ["default", "other", "few"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
 @pytest.mark.parametrize("T", [1, 3, 17, 70])
