@@ -105,6 +105,18 @@ def test_stage2_lora_with_fixed_routers_reduces_kd(tmp_path):
     torch.testing.assert_close(m2(input_ids=ids).logits, merged(input_ids=ids).logits, atol=2e-2, rtol=0)
 
 
+def test_merge_lora_refuses_an_adapter_that_does_not_fit():
+    """An adapter tensor the model has no place for (another model's, other targets) is an error, never dropped."""
+    import copy
+    from wide_compile.training.stage2 import TARGETS, apply_lora, lora_state, merge_lora
+    model = tiny_model("llama")
+    state = lora_state(apply_lora(copy.deepcopy(model), 4, 8))
+    merge_lora(copy.deepcopy(model), state, 4, 8, TARGETS)  # its own adapter merges
+    bad = dict(state, **{"base_model.model.model.layers.99.mlp.up_proj.lora_A.weight": next(iter(state.values()))})
+    with pytest.raises(ValueError, match="no place for"):
+        merge_lora(copy.deepcopy(model), bad, 4, 8, TARGETS)
+
+
 def test_lora_hooks_wrap_lora_modules():
     from wide_compile.training.stage2 import apply_lora
     model = tiny_model("llama")

@@ -148,12 +148,19 @@ def load_lora_merged(model, path):
 
 def merge_lora(model, state: dict, rank: int, alpha: int, targets) -> torch.nn.Module:
     """`model` (changed in place) with the adapter tensors `state` (lora_state's keys) merged in."""
+    pm = apply_lora(model, rank, alpha, targets)
+    set_adapter(pm, state, next(model.parameters()).dtype, "the LoRA to merge")
+    return pm.merge_and_unload()
+
+
+def set_adapter(pm, state: dict, dtype: torch.dtype, what: str) -> None:
+    """Load saved adapter tensors (lora_state's keys) into the LoRA-wrapped `pm`, as `dtype`; a tensor the model
+    has no place for is an error (an adapter of another model or other targets), never dropped."""
     from peft import set_peft_model_state_dict
 
-    pm = apply_lora(model, rank, alpha, targets)
-    dt = next(model.parameters()).dtype
-    set_peft_model_state_dict(pm, {k: v.to(dt) for k, v in state.items()})
-    return pm.merge_and_unload()
+    res = set_peft_model_state_dict(pm, {k: v.to(dtype) for k, v in state.items()})
+    if getattr(res, "unexpected_keys", None):
+        raise ValueError(f"{what}: tensors the model has no place for: {res.unexpected_keys[:3]}")
 
 
 @contextmanager
@@ -265,11 +272,7 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
             cfg = replace(cfg, rank=rank, alpha=alpha)
     pm = apply_lora(model, cfg.rank, cfg.alpha, dropout=cfg.lora_dropout)
     if init is not None:
-        from peft import set_peft_model_state_dict
-
-        res = set_peft_model_state_dict(pm, {k: v.float() for k, v in init.items()})
-        if getattr(res, "unexpected_keys", None):
-            raise ValueError(f"init_lora {cfg.init_lora}: tensors the model has no place for: {res.unexpected_keys[:3]}")
+        set_adapter(pm, init, torch.float32, f"init_lora {cfg.init_lora}")
     for n, p in pm.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()  # fp32 adapters (the base may be bf16)
