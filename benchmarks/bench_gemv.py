@@ -1,6 +1,6 @@
 """The one-token GEMV kernels (wide_compile/kernels/gemv.py) one at a time, over a grid of tiles.
 
-    python benchmarks/bench_gemv.py --out DIR [--capacity 0.5]
+    python benchmarks/bench_gemv.py --out DIR [--capacity 0.5] [--kernels gate_up down_k ...]
 
 Llama-3.1-8B shapes in bf16 at T = 1, one random mask of the given capacity (FFN groups of 64, head groups of 512
 columns): the gate/up kernel (gated, compact output), the down kernel on both layouts of the down weight
@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 D, F, FGS, NQ, HGS = 4096, 14336, 64, 4096, 512
+KERNELS = ("gate_up", "down_k", "down_d", "q_proj", "o_proj_k", "o_proj_d")
 GU = [dict(gu_bn=bn, gu_bk=bk, gu_warps=w) for bn, bk, w in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024),
                                                                                    (1, 2, 4)) if bn * bk <= 8192]
 GD = {"k_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, bk, s, w in
@@ -62,6 +63,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--capacity", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
+                    help="which kernels to sweep (default all); cuBLAS's rows always run")
     args = ap.parse_args(argv)
     import torch
     import torch.nn.functional as Fn
@@ -113,25 +116,25 @@ def main(argv=None):
     add("cublas gate+up", "-", {}, timed(lambda: (Fn.linear(x, wg_s), Fn.linear(x, wu_s))), 2 * act_f * D * 2)
     add("cublas down", "k_contiguous", {}, timed(lambda: Fn.linear(hs, wd_s)), act_f * D * 2)
     save()
-    for cfg in GU:
+    for cfg in GU if "gate_up" in args.kernels else ():
         add("gate_up", "-", cfg, timed(lambda c=cfg: gate_up(c)), 2 * act_f * D * 2)
     save()
     gate_up(GU[0])  # h and the group list for the down kernels
     for lay, w_nk in (("k_contiguous", wd), ("d_contiguous", wd_t.t())):
-        for cfg in GD[lay]:
+        for cfg in GD[lay] if "down_" + lay[0] in args.kernels else ():
             c = dict(GV.config_for(lay), **cfg)
 
             def down(c=c, w=w_nk):
                 return GV._reduce(h, w, None, glist, m, m, 1, False, G, FGS, c, True, False)
             add("down", lay, cfg, timed(down), act_f * D * 2)
         save()
-    for cfg in GU:
+    for cfg in GU if "q_proj" in args.kernels else ():
         c = dict(GV.config_for("k_contiguous"), **cfg)
         add("q_proj", "-", cfg, timed(lambda c=c: GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c)), act_q * D * 2)
     save()
     a = r(1, NQ)
     for lay, w_nk in (("k_contiguous", wo), ("d_contiguous", wo_t.t())):
-        for cfg in GD[lay]:
+        for cfg in GD[lay] if "o_proj_" + lay[0] in args.kernels else ():
             c = dict(GV.config_for(lay), **cfg)
             add("o_proj", lay, cfg, timed(lambda c=c, w=w_nk: GV.o_proj_gemv_triton(a, w, None, mq, None, HGS, c)),
                 act_q * D * 2)
