@@ -1,6 +1,7 @@
 """The one-token GEMV kernels (wide_compile/kernels/gemv.py) one at a time, over a grid of tiles.
 
     python benchmarks/bench_gemv.py --out DIR [--capacity 0.5] [--kernels gate_up down_k ...]
+    python benchmarks/bench_gemv.py --out DIR --dry-run    # tiny shapes, CPU, Triton interpreter, 2 tiles each
 
 Llama-3.1-8B shapes in bf16 at T = 1, one random mask of the given capacity (FFN groups of 64, head groups of 512
 columns): the gate/up kernel (gated, compact output), the down kernel on both layouts of the down weight
@@ -8,7 +9,9 @@ columns): the gate/up kernel (gated, compact output), the down kernel on both la
 and o_proj. Each kernel alone, for each tile of the grid, captured 20 times in one CUDA graph; a row is the median
 per call over the graph's replays (CUDA events) with the bytes of weights it must read and the rate that gives.
 Beside them, cuBLAS reading the same bytes: F.linear of x on the active rows' weights, contiguous (a statically
-pruned layer). Writes DIR/gemv.json and DIR/gemv.md (command, GPU, date).
+pruned layer). Writes DIR/gemv.json and DIR/gemv.md (command, GPU, date). --dry-run calls each kernel once on
+the CPU through the Triton interpreter, checked against its reference: a check that the script runs, not a
+measurement.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-D, F, FGS, NQ, HGS = 4096, 14336, 64, 4096, 512
+SHAPE = dict(D=4096, F=14336, FGS=64, NQ=4096, HGS=512)    # Llama-3.1-8B
+SHAPE_DRY = dict(D=48, F=96, FGS=16, NQ=64, HGS=16)
 KERNELS = ("gate_up", "down_k", "down_d", "q_proj", "o_proj_k", "o_proj_d")
 GU = [dict(gu_bn=bn, gu_bk=bk, gu_warps=w) for bn, bk, w in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024),
                                                                                    (1, 2, 4)) if bn * bk <= 8192]
@@ -32,10 +36,17 @@ GD = {"k_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, 
                        itertools.product((64, 128, 256), (16, 32, 64), (8, 16, 32), (4, 8)) if bn * bk <= 8192]}
 
 
-def timed(fn, reps: int = 20, replays: int = 30) -> float:
-    """Median ms per call: `reps` calls captured in one CUDA graph, each replay timed with events."""
+def timed(fn, dry: bool, reps: int = 20, replays: int = 30) -> float:
+    """Median ms per call: `reps` calls captured in one CUDA graph, each replay timed with events (dry run: the
+    wall time of one call)."""
+    import time
+
     import torch
 
+    if dry:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -65,34 +76,51 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                     help="which kernels to sweep (default all); cuBLAS's rows always run")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU under the Triton interpreter, two tiles per kernel (a check)")
     args = ap.parse_args(argv)
+    dry = args.dry_run
+    if dry:  # before anything imports triton: the kernels then run on the CPU interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import torch.nn.functional as Fn
     import triton
 
     from wide_compile.kernels import gemv as GV
+    from wide_compile.kernels import reference as R
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gemv.py times CUDA kernels: run it on a GPU")
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("bench_gemv.py times CUDA kernels: run it on a GPU, or pass --dry-run on a CPU")
+    sh = SHAPE_DRY if dry else SHAPE
+    D, F, FGS, NQ, HGS = sh["D"], sh["F"], sh["FGS"], sh["NQ"], sh["HGS"]
+    grid = (lambda g: g[:2]) if dry else (lambda g: g)
     gen = torch.Generator().manual_seed(args.seed)
-    dev, bf = "cuda", torch.bfloat16
-    r = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to(dev, bf)  # noqa: E731
-    x, wg, wu, wd = r(1, D), r(F, D), r(F, D), r(D, F)
+    dev, dt = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    r = lambda *s: (torch.randn(*s, generator=gen) * 0.02).to(dev, dt)  # noqa: E731
+    x, wg, wu, wd = r(1, D) * 50, r(F, D), r(F, D), r(D, F)
     wd_t = wd.t().contiguous()
     wq, wo = r(NQ, D), r(D, NQ)
     wo_t = wo.t().contiguous()
     G, GQ = F // FGS, NQ // HGS
     m = (torch.rand(1, G, generator=gen) < args.capacity).to(dev).to(torch.uint8)
     mq = (torch.rand(1, GQ, generator=gen) < args.capacity).to(dev).to(torch.uint8)
-    mq[0, 0] = 1
-    act_f = int(m.sum()) * FGS
-    act_q = int(mq.sum()) * HGS
+    m[0, 0] = mq[0, 0] = 1
+    esz = torch.empty((), dtype=dt).element_size()
+    act_f = int(m.sum()) * FGS * esz  # bytes per weight row's worth of active columns
+    act_q = int(mq.sum()) * HGS * esz
     rows = []
-    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    info = dict(device="cpu (dry run, Triton interpreter)" if dry else torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), capacity=args.capacity,
-                active_ffn_groups=int(m.sum()), active_head_groups=int(mq.sum()),
+                active_ffn_groups=int(m.sum()), active_head_groups=int(mq.sum()), shape=sh,
                 command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)))
     os.makedirs(args.out, exist_ok=True)
+    tol = 1e-4 if dry else 2e-2
+
+    def check(name, out, ref):
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        if not err <= tol:
+            raise AssertionError(f"bench_gemv: {name}: relative L2 error {err:.2e} above {tol} against the reference")
 
     def add(kernel, layout, cfg, ms, nbytes):
         rows.append(dict(kernel=kernel, layout=layout, config=cfg, ms=ms, bytes=nbytes, tb_s=nbytes / ms / 1e9))
@@ -100,7 +128,7 @@ def main(argv=None):
     def save():  # after every kernel: a run cut short keeps its rows
         write(args, info, rows, G, GQ)
 
-    h = torch.empty(F, dtype=bf, device=dev)
+    h = torch.empty(F, dtype=dt, device=dev)
     glist = torch.empty(G, dtype=torch.int32, device=dev)
     gp2 = triton.next_power_of_2(G)
 
@@ -112,41 +140,52 @@ def main(argv=None):
     # cuBLAS on the same bytes, contiguous: the statically pruned layer's GEMVs
     keep = torch.nonzero(m[0].bool().repeat_interleave(FGS)).flatten()
     wg_s, wu_s, wd_s = wg[keep].contiguous(), wu[keep].contiguous(), wd[:, keep].contiguous()
-    hs = torch.randn(1, len(keep), generator=gen).to(dev, bf)
-    add("cublas gate+up", "-", {}, timed(lambda: (Fn.linear(x, wg_s), Fn.linear(x, wu_s))), 2 * act_f * D * 2)
-    add("cublas down", "k_contiguous", {}, timed(lambda: Fn.linear(hs, wd_s)), act_f * D * 2)
+    hs = torch.randn(1, len(keep), generator=gen).to(dev, dt)
+    add("cublas gate+up", "-", {}, timed(lambda: (Fn.linear(x, wg_s), Fn.linear(x, wu_s)), dry), 2 * act_f * D)
+    add("cublas down", "k_contiguous", {}, timed(lambda: Fn.linear(hs, wd_s), dry), act_f * D)
     save()
-    for cfg in GU if "gate_up" in args.kernels else ():
-        add("gate_up", "-", cfg, timed(lambda c=cfg: gate_up(c)), 2 * act_f * D * 2)
+    mlp_ref = R.mlp_ref(x, wg, wu, wd_t, m.bool(), FGS)
+    for cfg in grid(GU) if "gate_up" in args.kernels else ():
+        add("gate_up", "-", cfg, timed(lambda c=cfg: gate_up(c), dry), 2 * act_f * D)
     save()
-    gate_up(GU[0])  # h and the group list for the down kernels
     for lay, w_nk in (("k_contiguous", wd), ("d_contiguous", wd_t.t())):
-        for cfg in GD[lay] if "down_" + lay[0] in args.kernels else ():
+        for i, cfg in enumerate(grid(GD[lay]) if "down_" + lay[0] in args.kernels else ()):
             c = dict(GV.config_for(lay), **cfg)
+            if i == 0:  # the whole MLP on this layout, against its reference
+                check(f"MLP ({lay})", GV.mlp_gemv_triton(x, wg, wu, w_nk, m, None, FGS, config=c), mlp_ref)
+            gate_up(GU[0])  # h and the group list for the down kernel
 
             def down(c=c, w=w_nk):
                 return GV._reduce(h, w, None, glist, m, m, 1, False, G, FGS, c, True, False)
-            add("down", lay, cfg, timed(down), act_f * D * 2)
+            add("down", lay, cfg, timed(down, dry), act_f * D)
         save()
-    for cfg in GU if "q_proj" in args.kernels else ():
+    q_ref = R.q_proj_ref(x, wq, None, mq.bool(), HGS)
+    for i, cfg in enumerate(grid(GU) if "q_proj" in args.kernels else ()):
         c = dict(GV.config_for("k_contiguous"), **cfg)
-        add("q_proj", "-", cfg, timed(lambda c=c: GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c)), act_q * D * 2)
+        if i == 0:
+            check("q_proj", GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c), q_ref)
+        add("q_proj", "-", cfg, timed(lambda c=c: GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c), dry),
+            act_q * D)
     save()
-    a = r(1, NQ)
+    a = r(1, NQ) * 50
+    o_ref = R.o_proj_ref(a, wo_t, None, mq.bool(), HGS)
     for lay, w_nk in (("k_contiguous", wo), ("d_contiguous", wo_t.t())):
-        for cfg in GD[lay] if "o_proj_" + lay[0] in args.kernels else ():
+        for i, cfg in enumerate(grid(GD[lay]) if "o_proj_" + lay[0] in args.kernels else ()):
             c = dict(GV.config_for(lay), **cfg)
-            add("o_proj", lay, cfg, timed(lambda c=c, w=w_nk: GV.o_proj_gemv_triton(a, w, None, mq, None, HGS, c)),
-                act_q * D * 2)
+            if i == 0:
+                check(f"o_proj ({lay})", GV.o_proj_gemv_triton(a, w_nk, None, mq, None, HGS, c), o_ref)
+            add("o_proj", lay, cfg,
+                timed(lambda c=c, w=w_nk: GV.o_proj_gemv_triton(a, w, None, mq, None, HGS, c), dry), act_q * D)
         save()
     print(open(os.path.join(args.out, "gemv.md")).read())
+    return dict(rows=rows, **info)
 
 
 def write(args, info, rows, G, GQ):
     with open(os.path.join(args.out, "gemv.json"), "w") as f:
         json.dump(dict(rows=rows, **info), f, indent=1)
     lines = [f"# One-token GEMV kernels ({info['device']})", "", f"command: `{info['command']}`  ",
-             f"date: {info['date']}, torch {info['torch']}, triton {info['triton']}; bf16, 8B shapes, capacity "
+             f"date: {info['date']}, torch {info['torch']}, triton {info['triton']}; shape {info['shape']}, capacity "
              f"{args.capacity} ({info['active_ffn_groups']}/{G} FFN groups, {info['active_head_groups']}/{GQ} head "
              "groups); median ms per call, 20 calls per CUDA graph", "",
              "Best five per kernel and layout:", "", "| kernel | layout | config | ms | TB/s |", "|---|---|---|---|---|"]
