@@ -55,6 +55,8 @@
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
 #                          the MLP-block table against dense / static / free masks with its tile sweep into
 #                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
+#   gemv                   the one-token GEMV kernels one at a time over their tile grids, beside cuBLAS
+#                          (benchmarks/bench_gemv.py; GEMV_ARGS adds options, e.g. --kernels gate_up down_k)
 #   e2e_decode_gemv        batch-1 decode (8B shape, ST_LAYERS layers, ctx 1024, capacity 0.5, free random masks and
 #                          random codebook-16 routers) with the shipped tuning, then with the free op's one-token
 #                          GEMVs (--kernel-config one_token=gemv; the bucketed op runs them by default)
@@ -320,6 +322,9 @@ step() {
     timeout 300 python3 benchmarks/bench_bucket_mlp.py --sweep --out "$OUT/bucket" ${BUCKET_ARGS:-} \
       > "$OUT/bucket/bench.log" 2>&1
     tail -40 "$OUT/bucket/bench.log" ;;
+  gemv)
+    timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/bench_gemv.py --out "$OUT/gemv" ${GEMV_ARGS:-} > "$OUT/gemv.log" 2>&1
+    tail -3 "$OUT/gemv.log"; cat "$OUT/gemv/gemv.md" ;;
   e2e_decode_gemv)  # the same decode rows twice: the shipped tuning, then the free op's one-token GEMVs
     e2e e2e-decode-table "${E2E_TIMEOUT:-200}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases decode \
       --decode-ctx 1024 --decode-batch 1 --capacities 0.5 --masks random codebook16 \
