@@ -13,7 +13,8 @@ Variants, per token count T, all from one interleaved run:
   bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
   (T = 1 runs on gemv's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
   bucket_mlp's docstring.)
-  At 2 <= T <= 16 also bucket_codebook_dense (few_tokens="dense": dense GEMMs with the masks applied).
+  At 2 <= T <= 16 also bucket_codebook_dense (few_tokens="dense": dense GEMMs with the masks applied), above 16
+  bucket_codebook_unionblocks (prefill_lists="union": no padding per bucket, blocks over their prototypes' union).
   At T = 1 also: free_gemv (torch.ops.wide.mlp with the tuning's one_token="gemv": the same GEMVs on the free
   op's w_down_t) and bucket_codebook_union (the union block, one_token="union").
   --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase], and at T = 1 free_gemv / bucket_codebook_gemv
@@ -119,6 +120,8 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
     else:
         if BK.uses_union(T, BK.config_for(T, gs, w["x"].dtype, w["x"].device)):  # few tokens: dense GEMMs + masks
             cands += [("bucket_codebook_dense", "codebook", dict(few_tokens="dense"))]
+        else:  # unpadded blocks of width-ordered tokens over their prototypes' union
+            cands += [("bucket_codebook_unionblocks", "codebook", dict(prefill_lists="union"))]
         if args.sweep:
             cands += [(f"bucket_codebook_{i}", "codebook", c) for i, c in enumerate(BK.SWEEP[BK.phase(T)])]
     failed = []

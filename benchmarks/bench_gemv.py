@@ -188,7 +188,8 @@ def write(args, info, rows, G, GQ):
              f"date: {info['date']}, torch {info['torch']}, triton {info['triton']}; shape {info['shape']}, capacity "
              f"{args.capacity} ({info['active_ffn_groups']}/{G} FFN groups, {info['active_head_groups']}/{GQ} head "
              "groups); median ms per call, 20 calls per CUDA graph", "",
-             "Best five per kernel and layout:", "", "| kernel | layout | config | ms | TB/s |", "|---|---|---|---|---|"]
+             "Best five per kernel and layout:", "", "| kernel | layout | config | ms | TB/s |",
+             "|---|---|---|---|---|"]
     for key in sorted({(r["kernel"], r["layout"]) for r in rows}):
         best = sorted((r for r in rows if (r["kernel"], r["layout"]) == key), key=lambda r: r["ms"])[:5]
         lines += [f"| {r['kernel']} | {r['layout']} | {json.dumps(r['config'])} | {r['ms'] * 1e3:.1f} us | "

@@ -114,7 +114,7 @@ def union_report(rec: dict, densities=(0.25, 0.5, 0.75), tiles=(4, 16, 128), reo
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--routers", default="smollm2-135m-c50")
+    ap.add_argument("--routers", default="smollm2-135m-c50", help="shipped routers' name, or a router file")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--data", default=None, help="../shared/data (its wikitext-2/wiki.test.raw)")
@@ -139,7 +139,8 @@ def main(argv=None):
     if data is None or not (data / "wikitext-2" / "wiki.test.raw").is_file():
         raise SystemExit("record_router_masks: needs --data with wikitext-2/wiki.test.raw (../shared/data)")
     model, tok = load_smollm2(dtype=torch.float32, device="cpu", gguf_path=a.gguf)
-    routers = wc.Routers.pretrained(a.routers, model)
+    routers = (wc.Routers.load(a.routers, model) if Path(a.routers).is_file()  # a router file, any structure
+               else wc.Routers.pretrained(a.routers, model))
     ids = tok((data / "wikitext-2" / "wiki.test.raw").read_text(), return_tensors="pt").input_ids[0]
     if ids.numel() < a.tokens:
         raise SystemExit(f"record_router_masks: the text has {ids.numel()} tokens, fewer than --tokens {a.tokens}")

@@ -117,6 +117,9 @@ def _cases():
             w_down = t(D, F) if kind == "k_contiguous" else t(F, D).t()
             cases[f"mlp_gemv {kind} {i}"] = lambda w=w_down, c=cfg: gemv.mlp_gemv_triton(
                 t(1, D), t(F, D), t(F, D), w, mask(1, F // FGS), None, FGS, config=c)
+    cases["mlp_bucket union_blocks T=2048"] = lambda: bucket_mlp.mlp_bucket_triton(
+        t(2048, D), t(F, D), t(F, D), t(D, F), bucket(2048, 16), protos(16, F // FGS), FGS,
+        config=dict(prefill_lists="union"))
     cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
                                                            None, HGS * HD)
     for kind in ("k_contiguous", "d_contiguous"):
@@ -171,7 +174,7 @@ def record_and_compile(names):
 CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", "o_proj", "mlp_bucket", "q_proj_bucket",
                                                                   "o_proj_bucket", "rmsnorm_router")]
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
-              + ["mlp_gemv bucket", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
+              + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 
 

@@ -108,9 +108,12 @@ def mode_config(T, mode):
     """Tile overrides that run T tokens as the default does ("default": one token on gemv's GEMVs, a few as
     one union block, more as bucket lists), or the other way ("other": bucket lists for one or a few tokens, one
     union block for more), or "few" (few tokens the other way: dense GEMMs with their masks applied where the
-    default is the union block, and the other way round)."""
+    default is the union block, and the other way round), or "union_blocks" (more tokens unpadded, in blocks over
+    their prototypes' union)."""
     if mode == "default":
         return None
+    if mode == "union_blocks":  # more tokens as blocks of width-ordered tokens over their prototypes' union
+        return dict(prefill_lists="union")
     if mode == "few":  # few tokens the other way than the device's default (union block / dense GEMMs + masks)
         default = BK.config_for(max(T, 2), 16, torch.float32, DEV)["few_tokens"]
         return dict(few_tokens="dense" if default == "union" else "union")
@@ -168,6 +171,29 @@ def test_union_lists_match_reference(T, P, block_m):
     assert int(exp[3]) == int(protos[ok].any(0).sum())
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("T,P", [(17, 3), (40, 5), (64, 1), (33, 40)])
+def test_union_blocks_match_reference(T, P, block_m):
+    gen = torch.Generator().manual_seed(T + P)
+    protos = make_protos(P, 7, "mixed", gen).to(DEV)
+    bucket = make_bucket(T, P, "skewed", gen).to(DEV)
+    bucket[T // 2] = P + 3                                               # an out-of-range id
+    order = BK.width_order(bucket, protos)
+    got = BK.union_lists_triton(bucket, protos, block_m, order=order)
+    exp = BK.union_lists_ref(bucket, protos, block_m, order)
+    for g, e in zip(got, exp):
+        assert torch.equal(g.cpu(), e.cpu())
+    # the order: a permutation, each prototype's tokens contiguous, widths non-decreasing, bad ids last
+    o = order.long().cpu()
+    assert sorted(o.tolist()) == list(range(T))
+    b = bucket.cpu()[o]
+    ok = (b >= 0) & (b < P)
+    w = protos.cpu().sum(1)[torch.where(ok, b, 0).long()]
+    assert ok[: int(ok.sum())].all() and (w[ok][1:] >= w[ok][:-1]).all()
+    runs = [k for k, _ in __import__("itertools").groupby(b[ok].tolist())]
+    assert len(runs) == len(set(runs)), "a prototype's tokens are contiguous"
+
+
 def test_lists_out_of_range_ids_form_their_own_bucket():
     bucket = torch.tensor([0, -1, 2, 7, 1, 2], dtype=torch.int64, device=DEV)
     protos = make_protos(3, 5, "mixed", torch.Generator().manual_seed(0)).to(DEV)
@@ -182,7 +208,7 @@ def test_lists_out_of_range_ids_form_their_own_bucket():
 
 # ----------------------------------------------------------------------------- the MLP
 
-@pytest.mark.parametrize("mode", ["default", "other", "few"])
+@pytest.mark.parametrize("mode", ["default", "other", "few", "union_blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
 @pytest.mark.parametrize("T", [1, 3, 17, 70])
@@ -229,7 +255,7 @@ def test_mlp_bucket_strided_weights():
     assert rel(out, BK.mlp_bucket_ref(x.double(), wg.double(), wu.double(), wd.double(), bucket, protos, 16)) <= 1e-4
 
 
-@pytest.mark.parametrize("mode", ["default", "other", "few"])
+@pytest.mark.parametrize("mode", ["default", "other", "few", "union_blocks"])
 def test_out_of_range_ids_give_nan_rows_on_the_kernel_path(mode):
     x, wg, wu, wd, bucket, protos = make_case(9, 16, 3, 16, 2, torch.float32)
     bucket[2], bucket[5] = 2, -1
@@ -419,7 +445,7 @@ def proj_case(T, D, G, cols, P, dtype, bias, protos_kind="mixed", seed=0):
     return [None if t is None else t.to(DEV) for t in (x, wq, bq, a, wo, bo, bucket, protos)]
 
 
-@pytest.mark.parametrize("mode", ["default", "other", "few"])
+@pytest.mark.parametrize("mode", ["default", "other", "few", "union_blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
 @pytest.mark.parametrize("T", [1, 3, 17, 70])

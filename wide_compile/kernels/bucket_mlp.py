@@ -26,6 +26,11 @@ Three launches, no host sync, every buffer a static function of (T, P, F) and th
 The two GEMM kernels also serve the attention projections (bucket_attn.py: bias, q's scatter, o's gathered
 input).
 
+With config prefill_lists="union" the tokens are not padded per bucket: they are sorted by their prototype's width
+(then id, width_order), cut into blocks of BM consecutive tokens, and each block runs over the union of its tokens'
+prototypes, the (token, group) pairs off a token's own prototype masked to 0 (the union block below, per block).
+Buckets near the block size, or many small ones, waste less that way (benchmarks/results/bucket-padding/).
+
 One token (a batch-1 decode step) runs on gemv's two GEMVs over its prototype's groups (config one_token).
 Few tokens (T <= union_max_t, a decode step) take one block instead (or, with config few_tokens="dense", dense
 GEMMs with their masks applied, as wide.mlp's small-batch path) ("union" lists, ``_union_lists_kernel``):
@@ -63,14 +68,14 @@ CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
                        dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1, union_max_t=DECODE_T,
-                       one_token="gemv", few_tokens="dense"),
+                       one_token="gemv", few_tokens="dense", prefill_lists="padded"),
         "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
                         dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="dense"),
+                        one_token="gemv", few_tokens="dense", prefill_lists="padded"),
     },
     "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
                         dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="union"),
+                        one_token="gemv", few_tokens="union", prefill_lists="padded"),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
 SWEEP = {
@@ -115,6 +120,9 @@ def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrid
         cfg.update(overrides)
     if cfg["one_token"] not in ("gemv", "union"):
         raise ValueError(f"mlp_bucket config: one_token must be 'gemv' or 'union', got {cfg['one_token']!r}")
+    if cfg["prefill_lists"] not in ("padded", "union"):
+        raise ValueError(f"mlp_bucket config: prefill_lists must be 'padded' or 'union', got "
+                         f"{cfg['prefill_lists']!r}")
     if cfg["few_tokens"] not in ("union", "dense"):
         raise ValueError(f"mlp_bucket config: few_tokens must be 'union' or 'dense', got {cfg['few_tokens']!r}")
     for k in ("block_m", "up_bn", "up_bk", "dn_bn", "dn_bk"):
@@ -222,19 +230,26 @@ def bucket_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int) -
     return sorted_ids, block_bucket, torch.argsort(key, dim=1).to(torch.int32), on.sum(1).to(torch.int32)
 
 
-def union_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int) -> tuple:
-    """Reference for _union_lists_kernel (T <= block_m): the lists of one block holding every token in order
-    (sentinel T after them) whose "prototype" 0 is the union of the tokens' prototypes (ids outside [0, P)
-    contribute none): (sorted_ids [BM], block_bucket [1], proto_groups [1, G], proto_counts [1]), int32."""
+def union_lists_ref(bucket: torch.Tensor, protos: torch.Tensor, block_m: int,
+                    order: Optional[torch.Tensor] = None) -> tuple:
+    """Reference for _union_lists_kernel. Without `order` (T <= block_m): one block holding every token in order
+    (sentinel T after them); with `order` (a permutation of the T tokens): cdiv(T, block_m) blocks of consecutive
+    tokens of `order`. Each block's group list is the union of its tokens' prototypes (ids outside [0, P)
+    contribute none), active groups ascending, then the others: (sorted_ids [NB * BM], block_bucket [NB] = block
+    ids, proto_groups [NB, G], proto_counts [NB]), int32."""
     T = bucket.shape[0]
     P, G = protos.shape
     dev = bucket.device
+    tok = torch.arange(T, device=dev) if order is None else order.long()
+    nb = 1 if order is None else -(-T // block_m)
+    sorted_ids = torch.full((nb * block_m,), T, dtype=torch.int32, device=dev)
+    sorted_ids[:T] = tok.to(torch.int32)
     valid = (bucket >= 0) & (bucket < P)
-    on = (protos[torch.where(valid, bucket, 0).long()] & valid[:, None]).any(0).to(torch.int64)[None, :]  # [1, G]
+    mask = protos[torch.where(valid, bucket, 0).long()] & valid[:, None]                    # [T, G]
+    padded = torch.cat([mask[tok], mask.new_zeros(nb * block_m - T, G)])
+    on = padded.view(nb, block_m, G).any(1).to(torch.int64)                                 # [NB, G]
     key = (1 - on) * G + torch.arange(G, device=dev)
-    rows = torch.arange(block_m, device=dev)
-    sorted_ids = torch.where(rows < T, rows, T).to(torch.int32)
-    return (sorted_ids, torch.zeros(1, dtype=torch.int32, device=dev), torch.argsort(key, dim=1).to(torch.int32),
+    return (sorted_ids, torch.arange(nb, dtype=torch.int32, device=dev), torch.argsort(key, dim=1).to(torch.int32),
             on.sum(1).to(torch.int32))
 
 
@@ -293,12 +308,18 @@ def _bucket_lists_kernel(bucket_ptr, protos_ptr, sorted_ptr, bblock_ptr, pgroups
 
 
 @triton.jit(do_not_specialize=["T", "P"])
-def _union_lists_kernel(bucket_ptr, protos_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr, T, P,
-                        G: tl.constexpr, GP2: tl.constexpr, BM: tl.constexpr):
-    # one program: every token (T <= BM) in one block whose group list is the union of their prototypes
-    rows = tl.arange(0, BM)
+def _union_lists_kernel(bucket_ptr, protos_ptr, order_ptr, sorted_ptr, bblock_ptr, pgroups_ptr, pcount_ptr, T, P,
+                        G: tl.constexpr, GP2: tl.constexpr, BM: tl.constexpr, ORDERED: tl.constexpr):
+    # program m: block m holds the tokens order[m BM : (m + 1) BM] (ORDERED; else tokens m BM, ...), its group list
+    # is the union of their prototypes (ids outside [0, P) add none); sentinel T past the last token
+    m = tl.program_id(0)
+    rows = m * BM + tl.arange(0, BM)
     tvalid = rows < T
-    b = tl.load(bucket_ptr + rows, mask=tvalid, other=0)
+    if ORDERED:
+        tok = tl.load(order_ptr + rows, mask=tvalid, other=0)
+    else:
+        tok = rows
+    b = tl.load(bucket_ptr + tok, mask=tvalid, other=0)
     ok = tvalid & (b >= 0) & (b < P)
     gs = tl.arange(0, GP2)
     on = tl.load(protos_ptr + b.to(tl.int64)[:, None] * G + gs[None, :], mask=ok[:, None] & (gs < G)[None, :],
@@ -306,10 +327,10 @@ def _union_lists_kernel(bucket_ptr, protos_ptr, sorted_ptr, bblock_ptr, pgroups_
     act = tl.where((gs < G) & (tl.max(on, axis=0) != 0), 1, 0)
     excl = tl.cumsum(act, axis=0) - act
     cnt = tl.sum(act, axis=0)
-    tl.store(pgroups_ptr + tl.where(act > 0, excl, cnt + gs - excl), gs.to(tl.int32), mask=gs < G)
-    tl.store(pcount_ptr, cnt.to(tl.int32))
-    tl.store(sorted_ptr + rows, tl.where(tvalid, rows, T).to(tl.int32))
-    tl.store(bblock_ptr, 0)
+    tl.store(pgroups_ptr + m * G + tl.where(act > 0, excl, cnt + gs - excl), gs.to(tl.int32), mask=gs < G)
+    tl.store(pcount_ptr + m, cnt.to(tl.int32))
+    tl.store(sorted_ptr + rows, tl.where(tvalid, tok, T).to(tl.int32))
+    tl.store(bblock_ptr + m, m)
 
 
 @triton.jit
@@ -351,7 +372,9 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
     cvalid = c < width
     grp = tl.load(pgroups_ptr + p * G + c // GS, mask=c < G * GS, other=0)  # active groups, then inactive ones
     wrow = (grp * GS + c % GS).to(tl.int64)                             # [BN] weight rows of those columns
-    fill = tl.zeros([BM, BN], dtype=tl.float32) + tl.where(p == P, float("nan"), 0.0)  # bucket P: bad ids
+    fill = tl.zeros([BM, BN], dtype=tl.float32)
+    if not UNION:  # bucket P: ids outside [0, P) (union blocks check each token's id instead)
+        fill += tl.where(p == P, float("nan"), 0.0)
     if UNION:
         bt = tl.load(bucket_ptr + tok, mask=tvalid, other=0)
         id_ok = (bt >= 0) & (bt < P)
@@ -435,7 +458,8 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
         acc = tl.dot(a, w, acc, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cvalid, other=0.0).to(tl.float32)[None, :]
-    acc = tl.where(p == P, float("nan"), acc)  # bucket P: ids outside [0, P)
+    if not UNION:  # bucket P: ids outside [0, P)
+        acc = tl.where(p == P, float("nan"), acc)
     if UNION:
         acc = tl.where(id_ok[:, None], acc, float("nan"))
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -462,19 +486,34 @@ def bucket_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int
     return sorted_ids, block_bucket, proto_groups, proto_counts
 
 
-def union_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int, wrap: bool = False) -> tuple:
-    """The device-side lists of union_lists_ref (same outputs, T <= block_m), one program."""
+def union_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int, wrap: bool = False,
+                       order: Optional[torch.Tensor] = None) -> tuple:
+    """The device-side lists of union_lists_ref: one block of every token in order (T <= block_m), or with
+    `order` (a permutation of the tokens) cdiv(T, block_m) blocks of consecutive tokens of `order`; one program
+    per block."""
     T = bucket.shape[0]
     P, G = protos.shape
     dev = bucket.device
-    sorted_ids = alloc((block_m,), torch.int32, dev)
-    block_bucket = alloc((1,), torch.int32, dev)
-    proto_groups = alloc((1, G), torch.int32, dev)
-    proto_counts = alloc((1,), torch.int32, dev)
-    _launcher(_union_lists_kernel, wrap)[(1,)](
-        bucket.contiguous(), _as_uint8(protos), sorted_ids, block_bucket, proto_groups, proto_counts, T, P,
-        G=G, GP2=triton.next_power_of_2(G), BM=block_m)
+    nb = 1 if order is None else triton.cdiv(T, block_m)
+    sorted_ids = alloc((nb * block_m,), torch.int32, dev)
+    block_bucket = alloc((nb,), torch.int32, dev)
+    proto_groups = alloc((nb, G), torch.int32, dev)
+    proto_counts = alloc((nb,), torch.int32, dev)
+    _launcher(_union_lists_kernel, wrap)[(nb,)](
+        bucket.contiguous(), _as_uint8(protos), order if order is not None else bucket, sorted_ids, block_bucket,
+        proto_groups, proto_counts, T, P, G=G, GP2=triton.next_power_of_2(G), BM=block_m, ORDERED=order is not None)
     return sorted_ids, block_bucket, proto_groups, proto_counts
+
+
+def width_order(bucket: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
+    """int32 [T]: the tokens sorted by their prototype's width, then its id (ids outside [0, P) last), stable:
+    tokens of one prototype are contiguous and prototypes of similar width sit side by side. A device sort, no
+    host sync."""
+    P = protos.shape[0]
+    valid = (bucket >= 0) & (bucket < P)
+    b = torch.where(valid, bucket, 0).long()
+    key = torch.where(valid, protos.to(torch.int64).sum(1)[b] * (P + 1) + b, (P + 1) * (protos.shape[1] + 1))
+    return torch.argsort(key, stable=True).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -495,12 +534,17 @@ class BucketLists:
 
 
 def make_lists(bucket: torch.Tensor, protos: torch.Tensor, cfg: dict, wrap: bool = False) -> BucketLists:
-    """The union block for few tokens (uses_union), else the bucket lists."""
+    """The union block for few tokens (uses_union); else the padded bucket lists, or with config
+    prefill_lists="union" blocks of consecutive tokens in width_order, each over the union of its prototypes."""
     bucket, protos8 = bucket.contiguous(), _as_uint8(protos)
-    union = uses_union(bucket.shape[0], cfg)
-    build = union_lists_triton if union else bucket_lists_triton
-    return BucketLists(*build(bucket, protos8, cfg["block_m"], wrap),
-                       P=protos.shape[0], union=union, bucket=bucket, protos8=protos8)
+    if uses_union(bucket.shape[0], cfg):
+        lists, union = union_lists_triton(bucket, protos8, cfg["block_m"], wrap), True
+    elif cfg["prefill_lists"] == "union":
+        order = width_order(bucket, protos)
+        lists, union = union_lists_triton(bucket, protos8, cfg["block_m"], wrap, order), True
+    else:
+        lists, union = bucket_lists_triton(bucket, protos8, cfg["block_m"], wrap), False
+    return BucketLists(*lists, P=protos.shape[0], union=union, bucket=bucket, protos8=protos8)
 
 
 def _prec(dtype: torch.dtype) -> str:
