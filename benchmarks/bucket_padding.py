@@ -41,14 +41,17 @@ def padding_factor(bucket: torch.Tensor, widths: torch.Tensor, block_m: int) -> 
 
 
 def union_block_factor(masks: torch.Tensor, block_m: int) -> float:
-    """The other way to cut sorted tokens: no padding per bucket, consecutive blocks of BM tokens (sorted by their
-    masks' bits, so equal and similar prototypes sit together), each block computed over the union of its tokens'
-    groups (the union block's scheme, bucket_mlp). masks [T, G] bool -> (blocks x BM x union width) / asked."""
+    """The other way to cut sorted tokens: no padding per bucket, consecutive blocks of BM tokens sorted as
+    bucket_mlp.width_order sorts them (by their prototype's width, then the prototype: here its mask bits), each
+    block computed over the union of its tokens' groups (bucket_mlp's prefill_lists="union").
+    masks [T, G] bool -> (blocks x BM x union width) / asked."""
     T, G = masks.shape
     key = torch.zeros(T, dtype=torch.float64)
     for g in range(min(G, 52)):  # float64 holds 52 bits exactly; later groups only break ties
         key = key * 2 + masks[:, g].double()
-    m = masks[torch.argsort(key, stable=True)]
+    order = torch.argsort(key, stable=True)
+    order = order[torch.argsort(masks[order].sum(1), stable=True)]       # width first, the bits within a width
+    m = masks[order]
     nb = -(-T // block_m)
     pad = torch.zeros(nb * block_m - T, G, dtype=torch.bool)
     union = torch.cat([m, pad]).view(nb, block_m, G).any(1).sum()
