@@ -42,8 +42,9 @@ from .tuning import interpreting
 # Tiles per device class and per layout of the reduction-side weight ("k_contiguous": W[d, k] rows contiguous over
 # k, as down_proj.weight / o_proj.weight; "d_contiguous": the transposed copies the free ops hold). gu_* tile the
 # grouped-output kernel (BN columns x BK of D), gd_* the reduction kernel (BN output columns x BK compact K, SPLIT
-# slices).
-# benchmarks/bench_bucket_mlp.py --sweep times GEMV_SWEEP.
+# slices). The CUDA tiles are the best of bench_bucket_mlp.py --sweep's GEMV_SWEEP rows on an H200
+# (benchmarks/results/one-token-h200/): small programs win because these loads are not pipelined, so the programs
+# in flight hide the latency. benchmarks/bench_gemv.py sweeps each kernel alone over a wider grid.
 CONFIGS = {
     "cuda": {
         "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gd_bn=8, gd_bk=256, gd_split=8,
