@@ -62,7 +62,7 @@ from .tuning import DECODE_T, interpreting
 # (2 <= T, uses_union): "union" the block, "dense" dense GEMMs with the mask applied (dense_masked.py). On the
 # GPU few tokens run dense: at 8 and 16 tokens the union block is slower than dense GEMMs plus the mask
 # (benchmarks/results/one-token-h200/). The interpreter keeps the union block as its default, so the tests'
-# default mode runs it (their "dense" mode runs the other). The interpreter's tiles are small so the tests'
+# default mode runs it (their "few" mode runs the other). The interpreter's tiles are small so the tests'
 # tiny shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
     "cuda": {
