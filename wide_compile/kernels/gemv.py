@@ -111,19 +111,19 @@ def _mask_row(mask_ptr, bucket_ptr, P, G: tl.constexpr, BUCKET: tl.constexpr):
 
 
 @triton.jit
-def _nth_active(row, j, G: tl.constexpr, GP2: tl.constexpr):
-    # the j-th active group of the mask row, for each j of a vector ([n] -> [n]; the row's count first)
+def _row_bits(row, G: tl.constexpr, GP2: tl.constexpr):
+    # the mask row as int32 [GP2] (0 past G) and each group's index among the active ones: read once per program
     gs = tl.arange(0, GP2)
     act = (tl.load(row + gs, mask=gs < G, other=0) != 0).to(tl.int32)
-    excl = tl.cumsum(act, axis=0) - act                                  # [GP2] compact index of each group
-    hit = (act[None, :] != 0) & (excl[None, :] == j[:, None])           # [n, GP2]
-    return tl.sum(tl.where(hit, gs[None, :], 0), axis=1)
+    return act, tl.cumsum(act, axis=0) - act
 
 
 @triton.jit
-def _n_active(row, G: tl.constexpr, GP2: tl.constexpr):
+def _nth_active(act, excl, j, GP2: tl.constexpr):
+    # the j-th active group of the row (_row_bits' act, excl), for each j of a vector ([n] -> [n])
     gs = tl.arange(0, GP2)
-    return tl.sum((tl.load(row + gs, mask=gs < G, other=0) != 0).to(tl.int32), axis=0)
+    hit = (act[None, :] != 0) & (excl[None, :] == j[:, None])           # [n, GP2]
+    return tl.sum(tl.where(hit, gs[None, :], 0), axis=1)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -137,12 +137,13 @@ def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, b
     row, fill = _mask_row(mask_ptr, bucket_ptr, P, G, BUCKET)
     c = n * BN + tl.arange(0, BN)                                        # [BN]
     if GATED:
-        width = _n_active(row, G, GP2) * GS
+        act, excl = _row_bits(row, G, GP2)
+        width = tl.sum(act, axis=0) * GS
         if n * BN >= width:
             return
         on = c < width
         j = c // GS
-        g = _nth_active(row, j, G, GP2)                                  # [BN] the j-th active group
+        g = _nth_active(act, excl, j, GP2)                               # [BN] the j-th active group
         rows = (g * GS + c % GS).to(tl.int64)
     else:
         cvalid = c < N
@@ -187,7 +188,8 @@ def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, 
     n = tl.program_id(0)
     s = tl.program_id(1)
     row, fill = _mask_row(mask_ptr, bucket_ptr, P, G, BUCKET)
-    width = _n_active(row, G, GP2) * GS
+    act, excl = _row_bits(row, G, GP2)
+    width = tl.sum(act, axis=0) * GS
     cols = n * BN + tl.arange(0, BN)
     cvalid = cols < N
     cols64 = cols.to(tl.int64)
@@ -198,7 +200,7 @@ def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, 
         if COMPACT_A:
             g = tl.load(glist_ptr + kc // GS, mask=kv, other=0)
         else:
-            g = _nth_active(row, kc // GS, G, GP2)
+            g = _nth_active(act, excl, kc // GS, GP2)
         kf = (g * GS + kc % GS).to(tl.int64)                             # [BK] W's columns
         if COMPACT_A:
             av = tl.load(a_ptr + kc, mask=kv, other=0.0).to(tl.float32)
