@@ -8,39 +8,25 @@ float64 one. Rows of tokens whose prototype is all-off must be exactly 0. Every 
 (the lists, h, the output) is NaN/garbage-poisoned first (reorder.POISON), so an unwritten element, or a read
 of an unwritten h element, fails.
 """
-import importlib
 import os
 import subprocess
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles them
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DEV, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import wide_compile.kernels  # noqa: F401  (registers torch.ops.wide.mlp_bucket)
+from wide_compile.kernels import bucket_attn as BAT
+from wide_compile.kernels import bucket_mlp as BK
+from wide_compile.kernels import reference as R
+from wide_compile.kernels.bucket_ops import wide_mlp_bucket, wide_o_proj_bucket, wide_q_proj_bucket
 
-import wide_compile.kernels  # noqa: E402,F401  (registers torch.ops.wide.mlp_bucket)
-from wide_compile.kernels import bucket_attn as BAT  # noqa: E402
-from wide_compile.kernels import bucket_mlp as BK  # noqa: E402
-from wide_compile.kernels import reference as R  # noqa: E402
-from wide_compile.kernels.bucket_ops import wide_mlp_bucket, wide_o_proj_bucket, wide_q_proj_bucket  # noqa: E402
-
-MR = importlib.import_module("wide_compile.kernels.reorder")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
-    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+pytestmark = [needs_device, pytest.mark.usefixtures("poison_buffers")]
 gpu_only = pytest.mark.skipif(DEV != "cuda", reason="GPU-sized shapes: compiled on a CUDA GPU only")
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def _poison():
-    MR.POISON = True
-    yield
-    MR.POISON = False
 
 
 def make_protos(P, G, kind, gen):
@@ -85,13 +71,6 @@ def make_case(T, D, G, gs, P, dtype, protos_kind="mixed", bucket_kind="random", 
     protos = make_protos(P, G, protos_kind, gen)
     bucket = make_bucket(T, P, bucket_kind, gen)
     return [t.to(DEV) for t in (x, wg, wu, wd, bucket, protos)]
-
-
-def rel(out, ref):
-    assert torch.isfinite(out).all(), "non-finite output (unwritten/poisoned element?)"
-    num = (out.double() - ref.double()).norm()
-    den = ref.double().norm()
-    return (num / den).item() if den > 0 else num.item()
 
 
 def oracle_f64(x, wg, wu, wd, bucket, protos, gs, act):

@@ -8,41 +8,25 @@ An all-off mask gives exact zeros (o_proj: its bias), q_proj exact zeros on inac
 id outside [0, P) a NaN row. Every buffer the kernels must write (h, the group list, the split partials, the
 output) is NaN/garbage-poisoned first (reorder.POISON).
 """
-import importlib
-import os
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DEV, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles them
+import wide_compile.kernels  # noqa: F401  (registers torch.ops.wide.*)
+from wide_compile.kernels import bucket_mlp as BK
+from wide_compile.kernels import gemv as GV
+from wide_compile.kernels import reference as R
+from wide_compile.kernels.bucket_attn import o_proj_bucket_triton, q_proj_bucket_triton
+from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton
+from wide_compile.kernels.compact_mlp import mlp_triton
+from wide_compile.kernels.tuning import table_for
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import wide_compile.kernels  # noqa: E402,F401  (registers torch.ops.wide.*)
-from wide_compile.kernels import bucket_mlp as BK  # noqa: E402
-from wide_compile.kernels import gemv as GV  # noqa: E402
-from wide_compile.kernels import reference as R  # noqa: E402
-from wide_compile.kernels.bucket_attn import o_proj_bucket_triton, q_proj_bucket_triton  # noqa: E402
-from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
-from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
-from wide_compile.kernels.tuning import table_for  # noqa: E402
-
-MR = importlib.import_module("wide_compile.kernels.reorder")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
-    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+pytestmark = [needs_device, pytest.mark.usefixtures("poison_buffers")]
 gpu_only = pytest.mark.skipif(DEV != "cuda", reason="GPU-sized shapes: compiled on a CUDA GPU only")
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
-
-
-@pytest.fixture(autouse=True)
-def _poison():
-    MR.POISON = True
-    yield
-    MR.POISON = False
 
 
 def make_mask(G, kind, gen):
@@ -74,13 +58,6 @@ def oracle_f64(x, wg, wu, wd, mask_row, gs, act="silu"):
     x, wg, wu, wd = (t.to(d).cpu() for t in (x, wg, wu, wd))
     keep = mask_row.cpu().repeat_interleave(gs).to(d)                    # [F]
     return ((ACTS[act](x @ wg.T) * (x @ wu.T)) @ (wd * keep[None, :]).T)
-
-
-def rel(out, ref):
-    assert torch.isfinite(out).all(), "non-finite output (an unwritten/poisoned element?)"
-    num = (out.double().cpu() - ref.double().cpu()).norm()
-    den = ref.double().cpu().norm()
-    return (num / den).item() if den > 0 else num.item()
 
 
 def check(out, x, wg, wu, wd, mask_row, gs, act="silu"):

@@ -8,23 +8,18 @@ Every buffer a kernel must write is NaN/garbage-poisoned first (mask_reorder.POI
 the MLP intermediate h, so an unwritten output or a read of an unwritten h element fails.
 """
 import importlib
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles them
+import pytest
+import torch
+from kernel_checks import DEV, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from wide_compile.kernels import reference as R  # noqa: E402
-from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
-from wide_compile.kernels.compact_mlp import mlp_triton  # noqa: E402
+from wide_compile.kernels import reference as R
+from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton
+from wide_compile.kernels.compact_mlp import mlp_triton
 
 MR = importlib.import_module("wide_compile.kernels.reorder")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
-    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+pytestmark = [needs_device, pytest.mark.usefixtures("poison_buffers")]
 gpu_only = pytest.mark.skipif(DEV != "cuda", reason="larger shapes: compiled on a CUDA GPU only (TRITON_INTERPRET=0)")
 
 
@@ -36,26 +31,12 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DENSITIES = [0.0, "one", 0.3, 0.5, 0.9, 1.0]
 
 
-@pytest.fixture(autouse=True)
-def _poison():
-    MR.POISON = True
-    yield
-    MR.POISON = False
-
-
 def make_mask(T, G, density, gen):
     if density == "one":
         m = torch.zeros(T, G, dtype=torch.bool)
         m[torch.arange(T), torch.randint(0, G, (T,), generator=gen)] = True
         return m
     return torch.rand(T, G, generator=gen) < density
-
-
-def rel(out, ref):
-    assert torch.isfinite(out).all(), "non-finite output (unwritten/poisoned element?)"
-    num = (out.double() - ref.double()).norm()
-    den = ref.double().norm()
-    return (num / den).item() if den > 0 else num.item()
 
 
 def check(out, ref, dtype):
