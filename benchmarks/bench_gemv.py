@@ -130,12 +130,10 @@ def main(argv=None):
 
     h = torch.empty(F, dtype=dt, device=dev)
     glist = torch.empty(G, dtype=torch.int32, device=dev)
-    gp2 = triton.next_power_of_2(G)
 
-    def gate_up(cfg):
-        GV._gemv_n_kernel[(triton.cdiv(F, cfg["gu_bn"]),)](
-            x, wg, wu, wg, h, glist, m, m, 1, D, F, 1, D, 1, D, 1, G=G, GP2=gp2, GS=FGS, BN=cfg["gu_bn"],
-            BK=cfg["gu_bk"], GATED=True, HAS_BIAS=False, BUCKET=False, ACT=0, num_warps=cfg["gu_warps"], num_stages=1)
+    def gate_up(cfg):  # the gated kernel alone, as mlp_gemv_triton launches it
+        GV._gate_up(x, wg, wu, h, glist, m, m, 1, False, G, FGS, "silu", dict(GV.config_for("k_contiguous"), **cfg),
+                    False)
 
     # cuBLAS on the same bytes, contiguous: the statically pruned layer's GEMVs
     keep = torch.nonzero(m[0].bool().repeat_interleave(FGS)).flatten()

@@ -274,12 +274,18 @@ def mlp_gemv_triton(x, w_gate, w_up, w_down_nk, mask8, bucket: Optional[torch.Te
     mask8, bk, P, use_bucket = _row_args(mask8, bucket)
     h = alloc((F,), x.dtype, x.device)
     glist = alloc((G,), torch.int32, x.device)
+    _gate_up(x, w_gate, w_up, h, glist, mask8, bk, P, use_bucket, G, group_size, act, cfg, wrap)
+    return _reduce(h, w_down_nk, None, glist, mask8, bk, P, use_bucket, G, group_size, cfg, True, wrap)
+
+
+def _gate_up(x, w_gate, w_up, h, glist, mask8, bk, P, use_bucket, G, group_size, act, cfg, wrap):
+    """The gated _gemv_n_kernel into h [F] (compact) and glist [G]: mlp_gemv_triton's first launch."""
+    F, D = w_gate.shape
     _launcher(_gemv_n_kernel, wrap)[(triton.cdiv(F, cfg["gu_bn"]),)](
         x, w_gate, w_up, w_gate, h, glist, mask8, bk, P, D, F, x.stride(1), w_gate.stride(0), w_gate.stride(1),
         w_up.stride(0), w_up.stride(1), G=G, GP2=triton.next_power_of_2(G), GS=group_size, BN=cfg["gu_bn"],
         BK=cfg["gu_bk"], GATED=True, HAS_BIAS=False, BUCKET=use_bucket, ACT=ACT_IDS[act], num_warps=cfg["gu_warps"],
         num_stages=cfg["gu_stages"])
-    return _reduce(h, w_down_nk, None, glist, mask8, bk, P, use_bucket, G, group_size, cfg, True, wrap)
 
 
 def q_proj_gemv_triton(x, w_q, b_q, mask8, bucket: Optional[torch.Tensor], group_size: int,
