@@ -1,6 +1,7 @@
 """The MLP block with structured masks (wide.mlp_bucket) against dense, static half width and free masks.
 
     python benchmarks/bench_bucket_mlp.py --out DIR [--ts 1 16 2048 8192] [--sweep] [--dense-mode default]
+        [--masks benchmarks/data/smollm2-cb64-router-masks.safetensors [--masks-layer L]]
     python benchmarks/bench_bucket_mlp.py --out DIR --dry-run     # tiny shapes, CPU, Triton interpreter
 
 Shape: the Llama-3.1-8B MLP (D 4096, F 14336, bf16, FFN groups of 64 channels, G = 224), capacity 0.5.
@@ -15,6 +16,11 @@ Variants, per token count T, all from one interleaved run:
   bucket_mlp's docstring.)
   At 2 <= T <= 16 also bucket_codebook_dense (few_tokens="dense": dense GEMMs with the masks applied), above 16
   bucket_codebook_unionblocks (prefill_lists="union": no padding per bucket, blocks over their prototypes' union).
+  With --masks FILE (benchmarks/record_router_masks.py's recording of trained routers), above 16 also
+  bucket_recorded (padded lists) and bucket_recorded_unionblocks (prefill_lists="union") on the buckets of the
+  first T recorded tokens of layer --masks-layer (default: the middle one): prototypes = the window's distinct
+  FFN masks, group g = recorded group g % G_rec (tiled to G), each token in its mask's bucket; their rows also
+  carry the window's padding_factor and union_block_factor (benchmarks/bucket_padding.py) at the op's block_m.
   At T = 1 also: free_gemv (torch.ops.wide.mlp with the tuning's one_token="gemv": the same GEMVs on the free
   op's w_down_t) and bucket_codebook_union (the union block, one_token="union").
   --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase], and at T = 1 free_gemv / bucket_codebook_gemv
@@ -40,6 +46,7 @@ sys.path.insert(0, ROOT)
 SHAPE_8B = dict(D=4096, F=14336, group_size=64)
 SHAPE_DRY = dict(D=32, F=128, group_size=16)
 TOL = 2e-2
+RECORDED_FROM_T = 17  # --masks rows only past the decode phase (tuning.DECODE_T = 16): the prefill's bucket lists
 
 
 def nested_protos(P: int, G: int):
@@ -65,6 +72,27 @@ def make_inputs(T: int, shape: dict, P: int, capacity: float, dtype, device, gen
     w["nested"] = nested_protos(P, G).to(device)
     w["bucket"] = torch.randint(0, P, (T,), generator=gen, dtype=torch.int32).to(device)
     return w
+
+
+def recorded_inputs(rec: dict, layer: int, T: int, G: int, device) -> dict:
+    """The first T tokens of `layer`'s recorded FFN masks (record_router_masks.load_masks) as bucket inputs at G
+    groups: {"recorded": protos [P, G] bool (the window's distinct masks, group g = recorded group g % G_rec),
+    "recorded_bucket": [T] int32 (each token's mask among them), "recorded_window": [T, G_rec] bool (CPU)}."""
+    import torch
+    from benchmarks.bucket_padding import buckets_of
+
+    ffn = rec["ffn"]
+    if not 0 <= layer < len(ffn):
+        raise ValueError(f"bench_bucket_mlp --masks-layer {layer}: the recording has FFN layers 0..{len(ffn) - 1}")
+    if ffn[layer].shape[0] < T:
+        raise ValueError(f"bench_bucket_mlp --masks: the recording has {ffn[layer].shape[0]} tokens per layer, "
+                         f"fewer than T = {T}; record more tokens or drop T from --ts")
+    m = ffn[layer][:T]                                                   # [T, G_rec]
+    bucket, widths = buckets_of(m)                                       # [T], [P]
+    proto_rec = m.new_zeros(widths.numel(), m.shape[1])
+    proto_rec[bucket] = m                                                # [P, G_rec]: every token of p has mask p
+    protos = proto_rec[:, torch.arange(G) % m.shape[1]]                  # [P, G]
+    return dict(recorded=protos.to(device), recorded_bucket=bucket.to(device, torch.int32), recorded_window=m)
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -124,20 +152,30 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
             cands += [("bucket_codebook_unionblocks", "codebook", dict(prefill_lists="union"))]
         if args.sweep:
             cands += [(f"bucket_codebook_{i}", "codebook", c) for i, c in enumerate(BK.SWEEP[BK.phase(T)])]
+    if "recorded" in w:  # trained routers' buckets (--masks), both ways to cut the sorted tokens
+        cands += [("bucket_recorded", "recorded", None),
+                  ("bucket_recorded_unionblocks", "recorded", dict(prefill_lists="union"))]
     failed = []
     for name, kind, cfg in cands:
         protos = w[kind]
+        bucket = w.get(f"{kind}_bucket", w["bucket"])  # the recorded prototypes come with their own buckets
 
-        def fn(p=protos, c=cfg):
+        def fn(p=protos, b=bucket, c=cfg):
             if dry:
-                return BK.mlp_bucket_triton(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], p, gs, config=c)
-            return torch.ops.wide.mlp_bucket(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], p, gs, "silu",
+                return BK.mlp_bucket_triton(w["x"], w["wg"], w["wu"], w["wd"], b, p, gs, config=c)
+            return torch.ops.wide.mlp_bucket(w["x"], w["wg"], w["wu"], w["wd"], b, p, gs, "silu",
                                              json.dumps(c, sort_keys=True) if c else "")
-        cap = protos[w["bucket"].long()].float().mean().item()
+        cap = protos[bucket.long()].float().mean().item()
         info = dict(capacity=cap, prototypes=protos.shape[0], structure=kind,
                     config=BK.config_for(len(w["x"]), gs, w["x"].dtype, w["x"].device, cfg))
+        if kind == "recorded":  # the work factors of this window, at the token block the op's prefill uses
+            from benchmarks.bucket_padding import buckets_of, padding_factor, union_block_factor
+
+            m, bm = w["recorded_window"], info["config"]["block_m"]
+            info.update(padding_factor=padding_factor(*buckets_of(m), bm), union_block_factor=union_block_factor(m, bm),
+                        masks_file=args.masks, masks_layer=args.masks_layer)
         try:
-            info["rel_l2"] = rel(fn(), BK.mlp_bucket_ref(w["x"], w["wg"], w["wu"], w["wd"], w["bucket"], protos, gs))
+            info["rel_l2"] = rel(fn(), BK.mlp_bucket_ref(w["x"], w["wg"], w["wu"], w["wd"], bucket, protos, gs))
         except Exception as e:  # a swept tile that does not fit this GPU is a row, not the end of the run
             if cfg is None:
                 raise
@@ -175,9 +213,19 @@ def bench(args, dry: bool, save=lambda rows: None) -> list:
     dtype, device = (torch.float32, "cpu") if dry else (torch.bfloat16, "cuda")
     shape = SHAPE_DRY if dry else SHAPE_8B
     gen = torch.Generator().manual_seed(args.seed)
+    recorded = {}
+    if args.masks:  # every window built (and checked) before anything is timed: a bad T fails at once
+        from benchmarks.record_router_masks import load_masks
+
+        rec = load_masks(args.masks)
+        if args.masks_layer is None:
+            args.masks_layer = len(rec["ffn"]) // 2
+        G = shape["F"] // shape["group_size"]
+        recorded = {T: recorded_inputs(rec, args.masks_layer, T, G, device) for T in args.ts if T >= RECORDED_FROM_T}
     rows = []
     for T in args.ts:
         w = make_inputs(T, shape, args.prototypes, args.capacity, dtype, device, gen)
+        w.update(recorded.get(T, {}))
         fns, meta, failed = variants_for(w, shape, args, dry)
         times = time_variants(fns, args, dry)
         base = times["dense"]["median"]
@@ -221,7 +269,14 @@ def parse_args(argv=None):
     ap.add_argument("--target-s", type=float, default=None, help="timed seconds per variant (default 1; dry 0.01)")
     ap.add_argument("--sweep", action="store_true", help="also time bucket_mlp.SWEEP's tile configs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--masks", default=None,
+                    help="recorded router masks (benchmarks/record_router_masks.py): also time bucket_recorded and "
+                         "bucket_recorded_unionblocks at each T > 16 on their buckets")
+    ap.add_argument("--masks-layer", type=int, default=None,
+                    help="the recorded layer whose FFN masks give the buckets (default: the middle layer)")
     args = ap.parse_args(argv)
+    if args.masks_layer is not None and not args.masks:
+        ap.error("--masks-layer needs --masks")
     dry = args.dry_run
     args.ts = args.ts or ([1, 17] if dry else [1, 16, 2048, 8192])
     args.prototypes = args.prototypes or (4 if dry else 16)

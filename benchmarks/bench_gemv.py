@@ -1,6 +1,7 @@
 """The one-token GEMV kernels (wide_compile/kernels/gemv.py) one at a time, over a grid of tiles.
 
     python benchmarks/bench_gemv.py --out DIR [--capacity 0.5] [--kernels gate_up down_k ...]
+    python benchmarks/bench_gemv.py --out DIR --write-config    # also the best tiles as this GPU's tuned file
     python benchmarks/bench_gemv.py --out DIR --dry-run    # tiny shapes, CPU, Triton interpreter, 2 tiles each
 
 Llama-3.1-8B shapes in bf16 at T = 1, one random mask of the given capacity (FFN groups of 64, head groups of 512
@@ -9,7 +10,9 @@ columns): the gate/up kernel (gated, compact output), the down kernel on both la
 and o_proj. Each kernel alone, for each tile of the grid, captured 20 times in one CUDA graph; a row is the median
 per call over the graph's replays (CUDA events) with the bytes of weights it must read and the rate that gives.
 Beside them, cuBLAS reading the same bytes: F.linear of x on the active rows' weights, contiguous (a statically
-pruned layer). Writes DIR/gemv.json and DIR/gemv.md (command, GPU, date). --dry-run calls each kernel once on
+pruned layer). Writes DIR/gemv.json and DIR/gemv.md (command, GPU, date). --write-config also writes the fastest tile of each swept
+kernel (and layout) as the GPU's tuned file, wide_compile/kernels/configs/gemv/<GPU name>.json (kernels not swept
+keep the entries the file had), and a copy as DIR/gemv-config.json: the ops then run on those tiles. --dry-run calls each kernel once on
 the CPU through the Triton interpreter, checked against its reference: a check that the script runs, not a
 measurement.
 """
@@ -76,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                     help="which kernels to sweep (default all); cuBLAS's rows always run")
+    ap.add_argument("--write-config", action="store_true",
+                    help="write the fastest tile per swept kernel as this GPU's tuned file (configs/gemv/)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under the Triton interpreter, two tiles per kernel (a check)")
     args = ap.parse_args(argv)
@@ -88,6 +93,7 @@ def main(argv=None):
 
     from wide_compile.kernels import gemv as GV
     from wide_compile.kernels import reference as R
+    from wide_compile.kernels.tuning import device_key
 
     if not dry and not torch.cuda.is_available():
         raise SystemExit("bench_gemv.py times CUDA kernels: run it on a GPU, or pass --dry-run on a CPU")
@@ -113,7 +119,8 @@ def main(argv=None):
                 torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), capacity=args.capacity,
                 active_ffn_groups=int(m.sum()), active_head_groups=int(mq.sum()), shape=sh,
-                command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)))
+                command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)),
+                out_json=os.path.join(args.out, "gemv.json"))
     os.makedirs(args.out, exist_ok=True)
     tol = 1e-4 if dry else 2e-2
 
@@ -125,8 +132,12 @@ def main(argv=None):
     def add(kernel, layout, cfg, ms, nbytes):
         rows.append(dict(kernel=kernel, layout=layout, config=cfg, ms=ms, bytes=nbytes, tb_s=nbytes / ms / 1e9))
 
-    def save():  # after every kernel: a run cut short keeps its rows
+    tuned_path = GV.TUNED_DIR / f"{device_key(info['device'])}.json"
+
+    def save():  # after every kernel: a run cut short keeps its rows (and the tiles it has found)
         write(args, info, rows, G, GQ)
+        if args.write_config:
+            write_config(rows, info["device"], tuned_path, info)
 
     h = torch.empty(F, dtype=dt, device=dev)
     glist = torch.empty(G, dtype=torch.int32, device=dev)
@@ -175,8 +186,40 @@ def main(argv=None):
             add("o_proj", lay, cfg,
                 timed(lambda c=c, w=w_nk: GV.o_proj_gemv_triton(a, w, None, mq, None, HGS, c), dry), act_q * D)
         save()
+    if args.write_config:
+        print(f"tuned tiles written to {tuned_path}")
     print(open(os.path.join(args.out, "gemv.md")).read())
     return dict(rows=rows, **info)
+
+
+def best_tiles(rows: list) -> dict:
+    """The tuned file's entries from the sweep's rows: the fastest tile per kernel (gate_up, q_proj) and per kernel
+    and layout (down, o_proj); cuBLAS's rows are not tiles."""
+    out = {}
+    for r in sorted((r for r in rows if not r["kernel"].startswith("cublas")), key=lambda r: r["ms"], reverse=True):
+        if r["layout"] == "-":
+            out[r["kernel"]] = dict(r["config"])       # the fastest comes last
+        else:
+            out.setdefault(r["kernel"], {})[r["layout"]] = dict(r["config"])
+    return out
+
+
+def write_config(rows: list, device: str, path, info: dict):
+    """Merge best_tiles(rows) into the tuned file at `path` (entries of kernels not in rows stay) and copy the
+    result to the output folder."""
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    new = dict(old, device=device, written_by=info["command"], date=info["date"])
+    for k, v in best_tiles(rows).items():
+        new[k] = dict(old.get(k, {}), **v) if k in ("down", "o_proj") else v
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for p in (path, os.path.join(os.path.dirname(info["out_json"]), "gemv-config.json")):
+        with open(p, "w") as f:
+            json.dump(new, f, indent=1, sort_keys=True)
+            f.write("\n")
+    return path
 
 
 def write(args, info, rows, G, GQ):

@@ -56,10 +56,13 @@
 #                          the MLP-block table against dense / static / free masks with its tile sweep into
 #                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
 #   gemv                   the one-token GEMV kernels one at a time over their tile grids, beside cuBLAS
-#                          (benchmarks/bench_gemv.py; GEMV_ARGS adds options, e.g. --kernels gate_up down_k)
+#                          (benchmarks/bench_gemv.py; GEMV_ARGS adds options, e.g. --kernels gate_up down_k); the
+#                          fastest tiles become this GPU's tuned file (--write-config), which later steps of the
+#                          call run on, and come back as $OUT/gemv/gemv-config.json
 #   e2e_decode_gemv        batch-1 decode (8B shape, ST_LAYERS layers, ctx 1024, capacity 0.5, free random masks and
-#                          random codebook-16 routers) with the shipped tuning, then with the free op's one-token
-#                          GEMVs (--kernel-config one_token=gemv; the bucketed op runs them by default)
+#                          random codebook-16 routers) with the shipped tuning; with DECODE_FREE_GEMV=1 again with the
+#                          free op's one-token GEMVs (--kernel-config one_token=gemv; the bucketed op runs them by
+#                          default)
 #   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacity 0.5,
 #                          prefill 2048 / 8192 x 1, decode ctx 1024 x 1 / x 8, free random masks against random
 #                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops
@@ -323,12 +326,14 @@ step() {
       > "$OUT/bucket/bench.log" 2>&1
     tail -40 "$OUT/bucket/bench.log" ;;
   gemv)
-    timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/bench_gemv.py --out "$OUT/gemv" ${GEMV_ARGS:-} > "$OUT/gemv.log" 2>&1
+    timeout "${GEMV_TIMEOUT:-300}" python3 benchmarks/bench_gemv.py --out "$OUT/gemv" --write-config ${GEMV_ARGS:-} \
+      > "$OUT/gemv.log" 2>&1
     tail -3 "$OUT/gemv.log"; cat "$OUT/gemv/gemv.md" ;;
-  e2e_decode_gemv)  # the same decode rows twice: the shipped tuning, then the free op's one-token GEMVs
+  e2e_decode_gemv)  # the shipped tuning; DECODE_FREE_GEMV=1: again with the free op's one-token GEMVs
     e2e e2e-decode-table "${E2E_TIMEOUT:-200}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases decode \
       --decode-ctx 1024 --decode-batch 1 --capacities 0.5 --masks random codebook16 \
       --variants inductor static wide "${SHORT[@]}" --no-plot --name e2e-h200-decode-table
+    [ "${DECODE_FREE_GEMV:-0}" = 1 ] || return 0
     e2e e2e-decode-gemv "${E2E_TIMEOUT:-200}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases decode \
       --decode-ctx 1024 --decode-batch 1 --capacities 0.5 --masks random codebook16 \
       --kernel-config '{"decode": {"one_token": "gemv"}}' --variants inductor static wide "${SHORT[@]}" --no-plot \

@@ -53,3 +53,67 @@ def test_sweep_rows_and_nested_prototypes(tmp_path):
     protos = bench_bucket_mlp.nested_protos(16, 224)
     assert protos.float().mean().item() == 0.5                           # mean width G / 2
     assert (protos[:, :-1] >= protos[:, 1:]).all()                       # prefixes
+
+
+MASKS = ROOT / "benchmarks" / "data" / "smollm2-cb64-router-masks.safetensors"
+RECORDED = ("bucket_recorded", "bucket_recorded_unionblocks")
+
+
+def test_masks_rows_time_the_recorded_buckets(tmp_path):
+    import bench_bucket_mlp
+    from record_router_masks import load_masks
+
+    data = bench_bucket_mlp.main(["--dry-run", "--ts", "16", "32", "--masks", str(MASKS), "--out", str(tmp_path)])
+    rows = {(r["T"], r["variant"]): r for r in data["rows"]}
+    assert not any(T == 16 and v in RECORDED for T, v in rows)           # decode-phase T: no recorded rows
+    ffn = load_masks(MASKS)["ffn"]
+    layer = len(ffn) // 2
+    G = bench_bucket_mlp.SHAPE_DRY["F"] // bench_bucket_mlp.SHAPE_DRY["group_size"]
+    window = ffn[layer][:32]                                             # [32, G_rec]
+    tiled = window[:, [g % window.shape[1] for g in range(G)]]           # [32, G]: what the op is asked to compute
+    for name, lists in zip(RECORDED, ("padded", "union")):
+        r = rows[(32, name)]
+        assert r["structure"] == "recorded" and r["config"]["prefill_lists"] == lists
+        assert r["masks_layer"] == layer and r["masks_file"] == str(MASKS)
+        assert r["rel_l2"] <= bench_bucket_mlp.TOL
+        assert r["prototypes"] == len(window.unique(dim=0)) > 1
+        assert r["capacity"] == tiled.float().mean().item()
+        assert r["padding_factor"] >= 1 and r["union_block_factor"] >= 1
+        assert r["ms"]["median"] > 0
+
+
+def test_recorded_inputs_tile_the_window_to_the_8b_groups():
+    import torch
+
+    import bench_bucket_mlp
+    from record_router_masks import load_masks
+
+    rec = load_masks(MASKS)
+    w = bench_bucket_mlp.recorded_inputs(rec, 3, 2048, 224, "cpu")
+    m = rec["ffn"][3][:2048]                                             # [T, G_rec]
+    protos, bucket = w["recorded"], w["recorded_bucket"]                 # [P, 224], [T]
+    assert bucket.dtype == torch.int32 and protos.shape == (len(m.unique(dim=0)), 224)
+    assert (protos[bucket.long()] == m[:, [g % m.shape[1] for g in range(224)]]).all()
+    assert len(protos.unique(dim=0)) == protos.shape[0]                  # one bucket per distinct mask
+
+
+def test_masks_errors_name_the_problem(tmp_path):
+    import pytest
+
+    import bench_bucket_mlp
+    from record_router_masks import load_masks
+
+    rec = load_masks(MASKS)
+    n, L = rec["ffn"][0].shape[0], len(rec["ffn"])
+    with pytest.raises(ValueError, match=f"fewer than T = {n + 1};"):       # checked before anything is timed
+        bench_bucket_mlp.main(["--dry-run", "--ts", "32", str(n + 1), "--masks", str(MASKS), "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=rf"layers 0\.\.{L - 1}"):
+        bench_bucket_mlp.main(["--dry-run", "--ts", "32", "--masks", str(MASKS), "--masks-layer", str(L),
+                               "--out", str(tmp_path)])
+    short = dict(rec, ffn=[m[:20] for m in rec["ffn"]])
+    with pytest.raises(ValueError, match="20 tokens per layer"):
+        bench_bucket_mlp.recorded_inputs(short, 0, 32, 8, "cpu")
+    with pytest.raises(ValueError, match="--masks-layer -1"):
+        bench_bucket_mlp.recorded_inputs(rec, -1, 32, 8, "cpu")
+    with pytest.raises(SystemExit):                                      # a layer without a recording to take it from
+        bench_bucket_mlp.parse_args(["--dry-run", "--masks-layer", "3", "--out", str(tmp_path)])

@@ -39,3 +39,37 @@ def test_a_wrong_kernel_fails_its_check(tmp_path, monkeypatch):
 
     with pytest.raises(AssertionError, match="q_proj"):
         bench_gemv.main(["--dry-run", "--out", str(tmp_path), "--kernels", "q_proj"])
+
+
+def test_write_config_keeps_the_fastest_tile_per_kernel(tmp_path, monkeypatch):
+    """--write-config: the fastest row of each swept kernel (and layout) becomes the tuned file's entry, entries of
+    kernels not swept stay, and the ops read the file back (the interpreter ignores it, so the lookup is faked)."""
+    import bench_gemv
+    from wide_compile.kernels import gemv
+
+    monkeypatch.setattr(gemv, "TUNED_DIR", tmp_path / "tuned")
+    rows = [dict(kernel="cublas down", layout="k_contiguous", config={}, ms=0.001),
+            dict(kernel="gate_up", layout="-", config=dict(gu_bn=2), ms=0.03),
+            dict(kernel="gate_up", layout="-", config=dict(gu_bn=4), ms=0.02),
+            dict(kernel="gate_up", layout="-", config=dict(gu_bn=8), ms=0.05),
+            dict(kernel="down", layout="k_contiguous", config=dict(gd_bn=4), ms=0.02),
+            dict(kernel="down", layout="k_contiguous", config=dict(gd_bn=8), ms=0.01),
+            dict(kernel="down", layout="d_contiguous", config=dict(gd_bn=64), ms=0.04)]
+    assert bench_gemv.best_tiles(rows) == dict(gate_up=dict(gu_bn=4), down=dict(k_contiguous=dict(gd_bn=8),
+                                                                                 d_contiguous=dict(gd_bn=64)))
+    path = tmp_path / "tuned" / "X.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(q_proj=dict(gu_bn=16), down=dict(d_contiguous=dict(gd_bn=256)))))
+    (tmp_path / "out").mkdir()
+    info = dict(command="cmd", date="today", out_json=str(tmp_path / "out" / "gemv.json"))
+    bench_gemv.write_config(rows[:2] + rows[4:6], "X", path, info)
+    got = json.loads(path.read_text())
+    assert got == json.loads((tmp_path / "out" / "gemv-config.json").read_text())
+    assert (got["q_proj"], got["gate_up"], got["down"]) == (dict(gu_bn=16), dict(gu_bn=2), dict(
+        k_contiguous=dict(gd_bn=8), d_contiguous=dict(gd_bn=256)))
+
+    data = bench_gemv.main(["--dry-run", "--out", str(tmp_path / "dry"), "--kernels", "gate_up", "--write-config"])
+    files = list((tmp_path / "tuned").glob("*.json"))
+    assert len(files) == 2 and data["device"].startswith("cpu")
+    dry = json.loads(next(f for f in files if f.name != "X.json").read_text())
+    assert set(dry) == {"device", "written_by", "date", "gate_up"} and dry["gate_up"] in bench_gemv.GU[:2]

@@ -192,6 +192,51 @@ def test_config_takes_its_own_keys_only():
         GV.config_for("k_contiguous", dict(gd_split=3))
 
 
+def fake_gpu(monkeypatch, tmp_path, name="Fake GPU 9000"):
+    """The tuned-file lookup as on a CUDA GPU called `name`, its files under tmp_path."""
+    monkeypatch.setattr(GV, "interpreting", lambda: False)
+    monkeypatch.setattr(GV, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda idx=None: name)
+    GV._tuned_file.cache_clear()
+    return tmp_path / "Fake_GPU_9000.json"
+
+
+def test_tuned_file_gives_each_op_its_kernels_tiles(monkeypatch, tmp_path):
+    """A GPU's tuned file: the MLP takes gate_up + down[layout], q_proj its own gated-kernel tiles, o_proj
+    o_proj[layout]; the built-in tiles fill what the file leaves out; overrides win; a foreign key is an error."""
+    import json
+
+    path = fake_gpu(monkeypatch, tmp_path)
+    cuda = GV.CONFIGS["cuda"]
+    try:
+        assert GV.config_for("k_contiguous", device="cuda") == cuda["k_contiguous"], "no file: built-in tiles"
+        path.write_text(json.dumps(dict(
+            device="Fake GPU 9000", gate_up=dict(gu_bn=4, gu_bk=512, gu_warps=1), q_proj=dict(gu_bn=16, gu_warps=4),
+            down=dict(k_contiguous=dict(gd_bn=4, gd_split=16), d_contiguous=dict(gd_bn=128)),
+            o_proj=dict(k_contiguous=dict(gd_bn=32, gd_split=2)))))
+        GV._tuned_file.cache_clear()
+        k = cuda["k_contiguous"]
+        assert GV.config_for("k_contiguous", op="mlp", device="cuda") == dict(
+            k, gu_bn=4, gu_bk=512, gu_warps=1, gd_bn=4, gd_split=16)
+        assert GV.config_for("d_contiguous", op="mlp", device="cuda") == dict(
+            cuda["d_contiguous"], gu_bn=4, gu_bk=512, gu_warps=1, gd_bn=128)
+        assert GV.config_for("k_contiguous", op="q_proj", device="cuda") == dict(k, gu_bn=16, gu_warps=4)
+        assert GV.config_for("k_contiguous", op="o_proj", device="cuda") == dict(k, gd_bn=32, gd_split=2)
+        assert GV.config_for("d_contiguous", op="o_proj", device="cuda") == cuda["d_contiguous"]
+        assert GV.config_for("k_contiguous", dict(gd_split=1), op="o_proj", device="cuda")["gd_split"] == 1
+        assert GV.config_for("k_contiguous", op="mlp", device="cpu") == k, "a CPU tensor takes no GPU's file"
+        with pytest.raises(ValueError, match="op must be"):
+            GV.config_for("k_contiguous", op="mlp_bucket")
+        path.write_text(json.dumps(dict(gate_up=dict(up_bn=4))))
+        GV._tuned_file.cache_clear()
+        with pytest.raises(ValueError, match="unknown GEMV config keys"):
+            GV.config_for("k_contiguous", device="cuda")
+    finally:
+        GV._tuned_file.cache_clear()
+
+
 # ----------------------------------------------------------------------------- q_proj / o_proj
 
 def make_proj(D, G, gs, dtype, gen, bias):

@@ -29,6 +29,9 @@ registers.
 """
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -37,14 +40,16 @@ import triton.language as tl
 
 from .compact_mlp import ACT_IDS, gated_act
 from .reorder import _as_uint8, _launcher, alloc
-from .tuning import interpreting
+from .tuning import device_key, interpreting
 
-# Tiles per device class and per layout of the reduction-side weight ("k_contiguous": W[d, k] rows contiguous over
-# k, as down_proj.weight / o_proj.weight; "d_contiguous": the transposed copies the free ops hold). gu_* tile the
-# grouped-output kernel (BN columns x BK of D), gd_* the reduction kernel (BN output columns x BK compact K, SPLIT
-# slices). The CUDA tiles are the best of bench_bucket_mlp.py --sweep's GEMV_SWEEP rows on an H200
+# Built-in tiles per device class and per layout of the reduction-side weight ("k_contiguous": W[d, k] rows
+# contiguous over k, as down_proj.weight / o_proj.weight; "d_contiguous": the transposed copies the free ops hold).
+# gu_* tile the grouped-output kernel (BN columns x BK of D), gd_* the reduction kernel (BN output columns x BK
+# compact K, SPLIT slices). A GPU with a tuned file (configs/gemv/<GPU name>.json, written by
+# benchmarks/bench_gemv.py --write-config from its sweep) takes its tiles per kernel from there; these are the
+# fallback. The CUDA tiles are the best of bench_bucket_mlp.py --sweep's GEMV_SWEEP rows on an H200
 # (benchmarks/results/one-token-h200/): small programs win because these loads are not pipelined, so the programs
-# in flight hide the latency. benchmarks/bench_gemv.py sweeps each kernel alone over a wider grid.
+# in flight hide the latency.
 CONFIGS = {
     "cuda": {
         "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gd_bn=8, gd_bk=256, gd_split=8,
@@ -82,10 +87,54 @@ def layout(w_nk: torch.Tensor) -> str:
     return "k_contiguous" if w_nk.stride(1) == 1 else "d_contiguous"
 
 
-def config_for(kind: str, overrides: Optional[dict] = None) -> dict:
-    """The tile config for a down weight of layout `kind` (the interpreter's under TRITON_INTERPRET=1), then
-    the `overrides` that name GEMV keys (other keys are the callers' own and pass by)."""
+# A tuned file's entries: which of its kernels' tiles each op takes (gated kernel keys gu_*, reduction keys gd_*,
+# the reduction per layout), per op.
+TUNED_DIR = Path(__file__).with_name("configs") / "gemv"
+TUNED_KERNELS = {"mlp": ("gate_up", "down"), "q_proj": ("q_proj", None), "o_proj": (None, "o_proj")}
+LAYOUTS = ("k_contiguous", "d_contiguous")
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_file(device_name: str) -> dict:
+    """The tuned tiles of a GPU ({} without a file), checked: every entry names only GEMV keys."""
+    path = TUNED_DIR / f"{device_key(device_name)}.json"
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        d = json.load(f)
+    entries = [d.get("gate_up", {}), d.get("q_proj", {})]
+    entries += [d.get(k, {}).get(lay, {}) for k in ("down", "o_proj") for lay in LAYOUTS]
+    bad = sorted({k for e in entries for k in e if k not in CONFIG_KEYS})
+    if bad:
+        raise ValueError(f"{path}: unknown GEMV config keys {bad}; the keys are {CONFIG_KEYS} (regenerate the file "
+                         "with benchmarks/bench_gemv.py --write-config)")
+    return d
+
+
+def tuned(op: str, kind: str, device=None) -> dict:
+    """The tuned file's tiles for `op` ("mlp", "q_proj", "o_proj") with a reduction weight of layout `kind` on
+    `device` (default: the current CUDA device): {} under the interpreter, without a GPU or without a file."""
+    if interpreting() or not torch.cuda.is_available():
+        return {}
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        return {}
+    d = _tuned_file(torch.cuda.get_device_name(dev.index if dev.index is not None else torch.cuda.current_device()))
+    n_kernel, k_kernel = TUNED_KERNELS[op]
+    out = dict(d.get(n_kernel, {})) if n_kernel else {}
+    if k_kernel:
+        out.update(d.get(k_kernel, {}).get(kind, {}))
+    return out
+
+
+def config_for(kind: str, overrides: Optional[dict] = None, op: str = "mlp", device=None) -> dict:
+    """The tile config of `op` for a reduction weight of layout `kind`: the built-in tiles (the interpreter's under
+    TRITON_INTERPRET=1), then the GPU's tuned file (`tuned`), then the `overrides` that name GEMV keys (other
+    keys are the callers' own and pass by)."""
+    if op not in TUNED_KERNELS:
+        raise ValueError(f"one-token GEMV config: op must be one of {tuple(TUNED_KERNELS)}, got {op!r}")
     cfg = dict(CONFIGS["interpreter"] if interpreting() else CONFIGS["cuda"][kind])
+    cfg.update(tuned(op, kind, device))
     cfg.update({k: v for k, v in (overrides or {}).items() if k in CONFIG_KEYS})
     for k in ("gu_bn", "gu_bk", "gd_bn", "gd_bk", "gd_split"):
         if cfg[k] < 1 or cfg[k] & (cfg[k] - 1):
@@ -270,7 +319,7 @@ def mlp_gemv_triton(x, w_gate, w_up, w_down_nk, mask8, bucket: Optional[torch.Te
     _, D = x.shape
     F = w_gate.shape[0]
     G = F // group_size
-    cfg = config_for(layout(w_down_nk), config)
+    cfg = config_for(layout(w_down_nk), config, "mlp", x.device)
     mask8, bk, P, use_bucket = _row_args(mask8, bucket)
     h = alloc((F,), x.dtype, x.device)
     glist = alloc((G,), torch.int32, x.device)
@@ -295,7 +344,7 @@ def q_proj_gemv_triton(x, w_q, b_q, mask8, bucket: Optional[torch.Tensor], group
     _, D = x.shape
     Nq = w_q.shape[0]
     G = Nq // group_size
-    cfg = config_for("k_contiguous", config)
+    cfg = config_for("k_contiguous", config, "q_proj", x.device)
     mask8, bk, P, use_bucket = _row_args(mask8, bucket)
     out = alloc((1, Nq), x.dtype, x.device)
     _launcher(_gemv_n_kernel, wrap)[(triton.cdiv(Nq, cfg["gu_bn"]),)](
@@ -312,7 +361,7 @@ def o_proj_gemv_triton(a, w_o_nk, b_o, mask8, bucket: Optional[torch.Tensor], gr
     b_o [D] or None, mask8 / bucket as in mlp_gemv_triton -> [1, D]: W[:, active] @ a[active] + b_o."""
     Nq = a.shape[1]
     G = Nq // group_size
-    cfg = config_for(layout(w_o_nk), config)
+    cfg = config_for(layout(w_o_nk), config, "o_proj", a.device)
     mask8, bk, P, use_bucket = _row_args(mask8, bucket)
     a = a if a.stride(1) == 1 else a.contiguous()
     return _reduce(a, w_o_nk, b_o, mask8, mask8, bk, P, use_bucket, G, group_size, cfg, False, wrap)
