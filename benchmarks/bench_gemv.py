@@ -31,10 +31,11 @@ sys.path.insert(0, ROOT)
 SHAPE = dict(D=4096, F=14336, FGS=64, NQ=4096, HGS=512)    # Llama-3.1-8B
 SHAPE_DRY = dict(D=48, F=96, FGS=16, NQ=64, HGS=16)
 KERNELS = ("gate_up", "down_k", "down_d", "q_proj", "o_proj_k", "o_proj_d")
-GU = [dict(gu_bn=bn, gu_bk=bk, gu_warps=w) for bn, bk, w in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024),
-                                                                                   (1, 2, 4)) if bn * bk <= 8192]
-GD = {"k_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, bk, s, w in
-                       itertools.product((4, 8, 16), (256, 512), (4, 8, 16), (1, 2, 4))],
+# Tiles per kernel: rows x K tile, warps, and whether each tile's loads go out one iteration ahead (prefetch)
+GU = [dict(gu_bn=bn, gu_bk=bk, gu_warps=w, gu_prefetch=p) for p, bn, bk, w in
+      itertools.product((1, 0), (2, 4, 8, 16), (128, 256, 512), (1, 2, 4)) if bn * bk <= 4096]
+GD = {"k_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w, gd_prefetch=p) for p, bn, bk, s, w in
+                       itertools.product((1, 0), (4, 8, 16), (256, 512), (4, 8, 16), (2, 4))],
       "d_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, bk, s, w in
                        itertools.product((64, 128, 256), (16, 32, 64), (8, 16, 32), (4, 8)) if bn * bk <= 8192]}
 

@@ -89,6 +89,21 @@ def test_gemv_matches_oracle(D, G, gs, kind, dtype, layout):
     check(out, x, wg, wu, wd, mask[0], gs)
 
 
+@pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
+@pytest.mark.parametrize("kind", ["random", "on", "off", "one", "first"])
+@pytest.mark.parametrize("D,G,gs", SHAPES)
+def test_gemv_without_prefetch(D, G, gs, kind, layout):
+    """The loops that load each tile in its own iteration (gu_prefetch = gd_prefetch = 0; the interpreter's
+    default is the prefetching form, which the other tests run)."""
+    gen = torch.Generator().manual_seed(D * 31 + G)
+    x, wg, wu, wd = make_weights(D, G, gs, torch.float32, gen)
+    mask = make_mask(G, kind, gen).to(DEV)
+    w_nk = wd if layout == "k_contiguous" else wd.t().contiguous().t()
+    for cfg in (dict(gu_prefetch=0, gd_prefetch=0), dict(gu_prefetch=0, gd_prefetch=1, gd_split=1),
+                dict(gu_prefetch=1, gd_prefetch=0, gd_split=4, gd_bk=8)):
+        check(GV.mlp_gemv_triton(x, wg, wu, w_nk, mask, None, gs, config=cfg), x, wg, wu, wd, mask[0], gs)
+
+
 @pytest.mark.parametrize("config", [dict(gd_split=1), dict(gd_split=4, gd_bk=8), dict(gu_bn=4, gu_bk=32),
                                     dict(gu_bn=32, gd_bn=32, gd_split=8), dict(gu_bk=128, gd_bk=128)])
 @pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
@@ -291,9 +306,11 @@ def test_projections_match_oracle(D, G, gs, kind, dtype, bias):
     gen = torch.Generator().manual_seed(D + 7 * G)
     x, w_q, b_q, a, w_o, b_o = make_proj(D, G, gs, dtype, gen, bias)
     mask = make_mask(G, kind, gen).to(DEV)
-    check_q(GV.q_proj_gemv_triton(x, w_q, b_q, mask, None, gs), x, w_q, b_q, mask[0], gs)
+    for cfg in (None, dict(gu_prefetch=0)):
+        check_q(GV.q_proj_gemv_triton(x, w_q, b_q, mask, None, gs, cfg), x, w_q, b_q, mask[0], gs)
     for w_nk in (w_o, w_o.t().contiguous().t()):                         # o_proj.weight, the free op's w_o_t
-        for cfg in (None, dict(gd_split=1), dict(gd_split=8, gd_bk=8)):
+        for cfg in (None, dict(gd_split=1), dict(gd_split=8, gd_bk=8), dict(gd_prefetch=0),
+                    dict(gd_prefetch=0, gd_split=1)):
             check_o(GV.o_proj_gemv_triton(a, w_nk, b_o, mask, None, gs, cfg), a, w_o, b_o, mask[0], gs)
 
 

@@ -49,16 +49,18 @@ from .tuning import device_key, interpreting
 # benchmarks/bench_gemv.py --write-config from its sweep) takes its tiles per kernel from there; these are the
 # fallback. The CUDA tiles are the best of bench_bucket_mlp.py --sweep's GEMV_SWEEP rows on an H200
 # (benchmarks/results/one-token-h200/): small programs win because these loads are not pipelined, so the programs
-# in flight hide the latency.
+# in flight hide the latency. gu_prefetch / gd_prefetch = 1 issue each K tile's loads one iteration ahead (register
+# double buffering: Triton does not pipeline loads that feed no tl.dot), so a program keeps two tiles in flight; the
+# interpreter runs that form by default and the tests run both.
 CONFIGS = {
     "cuda": {
-        "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gd_bn=8, gd_bk=256, gd_split=8,
-                             gd_warps=2, gd_stages=3),
-        "d_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gd_bn=64, gd_bk=128, gd_split=16,
-                             gd_warps=8, gd_stages=3),
+        "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gu_prefetch=0, gd_bn=8, gd_bk=256,
+                             gd_split=8, gd_warps=2, gd_stages=3, gd_prefetch=0),
+        "d_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gu_prefetch=0, gd_bn=64, gd_bk=128,
+                             gd_split=16, gd_warps=8, gd_stages=3, gd_prefetch=0),
     },
-    "interpreter": dict(gu_bn=8, gu_bk=16, gu_warps=1, gu_stages=1, gd_bn=8, gd_bk=16, gd_split=2, gd_warps=1,
-                        gd_stages=1),
+    "interpreter": dict(gu_bn=8, gu_bk=16, gu_warps=1, gu_stages=1, gu_prefetch=1, gd_bn=8, gd_bk=16, gd_split=2,
+                        gd_warps=1, gd_stages=1, gd_prefetch=1),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
 GEMV_SWEEP = {
@@ -69,6 +71,8 @@ GEMV_SWEEP = {
         dict(gu_bn=16, gu_bk=512, gu_warps=8, gd_bn=16, gd_bk=512, gd_split=1, gd_warps=8),
         dict(gu_bn=16, gu_bk=256, gu_stages=1, gd_bn=16, gd_bk=256, gd_split=4, gd_stages=1),
         dict(gu_bn=8, gu_bk=256, gu_warps=2, gd_bn=8, gd_bk=256, gd_split=8, gd_warps=2),
+        dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_prefetch=1, gd_bn=8, gd_bk=256, gd_split=8, gd_warps=2,
+             gd_prefetch=1),
     ),
     "d_contiguous": (
         dict(gd_bn=64, gd_bk=64, gd_split=8),
@@ -175,11 +179,45 @@ def _nth_active(act, excl, j, GP2: tl.constexpr):
     return tl.sum(tl.where(hit, gs[None, :], 0), axis=1)
 
 
+@triton.jit
+def _n_tile(w1_rows, w2_rows, on, k0, D, stride_w1k, stride_w2k, BK: tl.constexpr, GATED: tl.constexpr):
+    # the [BN, BK] weight tiles at D offset k0 (nothing read past D or on columns that are off); w2's is w1's
+    # when not gated
+    k = k0 + tl.arange(0, BK)
+    wm = on[:, None] & (k < D)[None, :]
+    w1 = tl.load(w1_rows + k[None, :] * stride_w1k, mask=wm, other=0.0)
+    if GATED:
+        w2 = tl.load(w2_rows + k[None, :] * stride_w2k, mask=wm, other=0.0)
+    else:
+        w2 = w1
+    return w1, w2
+
+
+@triton.jit
+def _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0, width, stride_wk, GS: tl.constexpr,
+            GP2: tl.constexpr, BK: tl.constexpr, COMPACT_A: tl.constexpr):
+    # the [BN, BK] tile of W over compact K offset k0 (W's columns from the group list or the mask row) and the
+    # matching [BK] slice of a, fp32; zeros past the active width
+    kc = k0 + tl.arange(0, BK)
+    kv = kc < width
+    if COMPACT_A:
+        g = tl.load(glist_ptr + kc // GS, mask=kv, other=0)
+    else:
+        g = _nth_active(act, excl, kc // GS, GP2)
+    kf = (g * GS + kc % GS).to(tl.int64)                                 # [BK] W's columns
+    if COMPACT_A:
+        av = tl.load(a_ptr + kc, mask=kv, other=0.0).to(tl.float32)
+    else:
+        av = tl.load(a_ptr + kf, mask=kv, other=0.0).to(tl.float32)
+    w = tl.load(w_cols + kf[None, :] * stride_wk, mask=cvalid[:, None] & kv[None, :], other=0.0)      # [BN, BK]
+    return w, av
+
+
 @triton.jit(do_not_specialize=["P"])
 def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, bucket_ptr, P, D, N, stride_xk,
                    stride_w1n, stride_w1k, stride_w2n, stride_w2k, G: tl.constexpr, GP2: tl.constexpr,
                    GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BUCKET: tl.constexpr, ACT: tl.constexpr):
+                   BUCKET: tl.constexpr, ACT: tl.constexpr, PREFETCH: tl.constexpr):
     # GATED: compact columns, h = act(x W1^T) * (x W2^T) and the group list; else full-width columns, x W1^T + b
     # on the active groups and exact zeros on the others
     n = tl.program_id(0)
@@ -202,17 +240,22 @@ def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, b
                      mask=cvalid)
             return
         rows = c.to(tl.int64)
+    w1_rows = w1_ptr + rows[:, None] * stride_w1n                      # [BN, 1] row starts
+    w2_rows = w2_ptr + rows[:, None] * stride_w2n
     acc1 = tl.zeros([BN, BK], dtype=tl.float32)
     acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    if PREFETCH:  # the first tile's loads, before the loop
+        w1n, w2n = _n_tile(w1_rows, w2_rows, on, 0, D, stride_w1k, stride_w2k, BK, GATED)
     for k0 in range(0, D, BK):
         k = k0 + tl.arange(0, BK)
-        kv = k < D
-        xv = tl.load(x_ptr + k * stride_xk, mask=kv, other=0.0).to(tl.float32)                        # [BK]
-        wm = on[:, None] & kv[None, :]
-        w1 = tl.load(w1_ptr + rows[:, None] * stride_w1n + k[None, :] * stride_w1k, mask=wm, other=0.0)
+        xv = tl.load(x_ptr + k * stride_xk, mask=k < D, other=0.0).to(tl.float32)                     # [BK]
+        if PREFETCH:  # issue the next tile's loads before this tile's products wait on its own
+            w1, w2 = w1n, w2n
+            w1n, w2n = _n_tile(w1_rows, w2_rows, on, k0 + BK, D, stride_w1k, stride_w2k, BK, GATED)
+        else:
+            w1, w2 = _n_tile(w1_rows, w2_rows, on, k0, D, stride_w1k, stride_w2k, BK, GATED)
         acc1 += w1.to(tl.float32) * xv[None, :]
         if GATED:
-            w2 = tl.load(w2_ptr + rows[:, None] * stride_w2n + k[None, :] * stride_w2k, mask=wm, other=0.0)
             acc2 += w2.to(tl.float32) * xv[None, :]
     if GATED:
         h = gated_act(tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), ACT)
@@ -231,7 +274,7 @@ def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, b
 def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, bucket_ptr, P, N, stride_wn,
                    stride_wk, G: tl.constexpr, GP2: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, SPLIT: tl.constexpr, COMPACT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BUCKET: tl.constexpr):
+                   BUCKET: tl.constexpr, PREFETCH: tl.constexpr):
     # out[:N] = W[:, active] @ a[active] (+ b). COMPACT_A: a is the compact h of the gated kernel and the group
     # list says whose columns it holds; else a is full width and each K tile's groups are found in registers
     n = tl.program_id(0)
@@ -242,21 +285,19 @@ def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, 
     cols = n * BN + tl.arange(0, BN)
     cvalid = cols < N
     cols64 = cols.to(tl.int64)
+    w_cols = w_ptr + cols64[:, None] * stride_wn                        # [BN, 1] W's rows
     acc = tl.zeros([BN, BK], dtype=tl.float32)
+    if PREFETCH:
+        wn, an = _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, s * BK, width, stride_wk, GS, GP2, BK,
+                         COMPACT_A)
     for k0 in range(s * BK, width, SPLIT * BK):  # compact K tiles s, s + SPLIT, ...
-        kc = k0 + tl.arange(0, BK)
-        kv = kc < width
-        if COMPACT_A:
-            g = tl.load(glist_ptr + kc // GS, mask=kv, other=0)
+        if PREFETCH:  # the next tile's loads go out before this tile's products
+            w, av = wn, an
+            wn, an = _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0 + SPLIT * BK, width, stride_wk, GS,
+                             GP2, BK, COMPACT_A)
         else:
-            g = _nth_active(act, excl, kc // GS, GP2)
-        kf = (g * GS + kc % GS).to(tl.int64)                             # [BK] W's columns
-        if COMPACT_A:
-            av = tl.load(a_ptr + kc, mask=kv, other=0.0).to(tl.float32)
-        else:
-            av = tl.load(a_ptr + kf, mask=kv, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols64[:, None] * stride_wn + kf[None, :] * stride_wk,
-                    mask=cvalid[:, None] & kv[None, :], other=0.0)                                    # [BN, BK]
+            w, av = _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0, width, stride_wk, GS, GP2, BK,
+                            COMPACT_A)
         acc += w.to(tl.float32) * av[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT == 1:
@@ -300,7 +341,8 @@ def _reduce(a, w_nk, bias, glist, mask8, bk, P, use_bucket, G, group_size, cfg, 
     _launcher(_gemv_k_kernel, wrap)[(triton.cdiv(N, cfg["gd_bn"]), split)](
         a, w_nk, b_, out, part, glist, mask8, bk, P, N, w_nk.stride(0), w_nk.stride(1),
         G=G, GP2=triton.next_power_of_2(G), GS=group_size, BN=cfg["gd_bn"], BK=cfg["gd_bk"], SPLIT=split,
-        COMPACT_A=compact_a, HAS_BIAS=bias is not None, BUCKET=use_bucket, num_warps=cfg["gd_warps"],
+        COMPACT_A=compact_a, HAS_BIAS=bias is not None, BUCKET=use_bucket, PREFETCH=cfg["gd_prefetch"],
+        num_warps=cfg["gd_warps"],
         num_stages=cfg["gd_stages"])
     if split > 1:
         bn = min(1024, triton.next_power_of_2(N))
@@ -333,7 +375,8 @@ def _gate_up(x, w_gate, w_up, h, glist, mask8, bk, P, use_bucket, G, group_size,
     _launcher(_gemv_n_kernel, wrap)[(triton.cdiv(F, cfg["gu_bn"]),)](
         x, w_gate, w_up, w_gate, h, glist, mask8, bk, P, D, F, x.stride(1), w_gate.stride(0), w_gate.stride(1),
         w_up.stride(0), w_up.stride(1), G=G, GP2=triton.next_power_of_2(G), GS=group_size, BN=cfg["gu_bn"],
-        BK=cfg["gu_bk"], GATED=True, HAS_BIAS=False, BUCKET=use_bucket, ACT=ACT_IDS[act], num_warps=cfg["gu_warps"],
+        BK=cfg["gu_bk"], GATED=True, HAS_BIAS=False, BUCKET=use_bucket, ACT=ACT_IDS[act],
+        PREFETCH=cfg["gu_prefetch"], num_warps=cfg["gu_warps"],
         num_stages=cfg["gu_stages"])
 
 
@@ -351,6 +394,7 @@ def q_proj_gemv_triton(x, w_q, b_q, mask8, bucket: Optional[torch.Tensor], group
         x, w_q, w_q, b_q if b_q is not None else w_q, out, mask8, mask8, bk, P, D, Nq, x.stride(1), w_q.stride(0),
         w_q.stride(1), w_q.stride(0), w_q.stride(1), G=G, GP2=triton.next_power_of_2(G), GS=group_size,
         BN=cfg["gu_bn"], BK=cfg["gu_bk"], GATED=False, HAS_BIAS=b_q is not None, BUCKET=use_bucket, ACT=0,
+        PREFETCH=cfg["gu_prefetch"],
         num_warps=cfg["gu_warps"], num_stages=cfg["gu_stages"])
     return out
 
