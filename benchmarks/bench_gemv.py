@@ -35,7 +35,7 @@ KERNELS = ("gate_up", "down_k", "down_d", "q_proj", "o_proj_k", "o_proj_d")
 GU = [dict(gu_bn=bn, gu_bk=bk, gu_warps=w, gu_prefetch=p) for p, bn, bk, w in
       itertools.product((1, 0), (2, 4, 8, 16), (128, 256, 512), (1, 2, 4)) if bn * bk <= 4096]
 GD = {"k_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w, gd_prefetch=p) for p, bn, bk, s, w in
-                       itertools.product((1, 0), (4, 8, 16), (256, 512), (4, 8, 16), (2, 4))],
+                       itertools.product((1, 0), (4, 8, 16), (256, 512), (1, 4, 8, 16), (2, 4))],
       "d_contiguous": [dict(gd_bn=bn, gd_bk=bk, gd_split=s, gd_warps=w) for bn, bk, s, w in
                        itertools.product((64, 128, 256), (16, 32, 64), (8, 16, 32), (4, 8)) if bn * bk <= 8192]}
 
@@ -132,10 +132,11 @@ def main(argv=None):
 
     def add(kernel, layout, cfg, ms, nbytes):
         rows.append(dict(kernel=kernel, layout=layout, config=cfg, ms=ms, bytes=nbytes, tb_s=nbytes / ms / 1e9))
+        save()
 
     tuned_path = GV.TUNED_DIR / f"{device_key(info['device'])}.json"
 
-    def save():  # after every kernel: a run cut short keeps its rows (and the tiles it has found)
+    def save():  # after every row: a run cut short keeps its rows (and the tiles it has found)
         write(args, info, rows, G, GQ)
         if args.write_config:
             write_config(rows, info["device"], tuned_path, info)
@@ -153,11 +154,9 @@ def main(argv=None):
     hs = torch.randn(1, len(keep), generator=gen).to(dev, dt)
     add("cublas gate+up", "-", {}, timed(lambda: (Fn.linear(x, wg_s), Fn.linear(x, wu_s)), dry), 2 * act_f * D)
     add("cublas down", "k_contiguous", {}, timed(lambda: Fn.linear(hs, wd_s), dry), act_f * D)
-    save()
     mlp_ref = R.mlp_ref(x, wg, wu, wd_t, m.bool(), FGS)
     for cfg in grid(GU) if "gate_up" in args.kernels else ():
         add("gate_up", "-", cfg, timed(lambda c=cfg: gate_up(c), dry), 2 * act_f * D)
-    save()
     for lay, w_nk in (("k_contiguous", wd), ("d_contiguous", wd_t.t())):
         for i, cfg in enumerate(grid(GD[lay]) if "down_" + lay[0] in args.kernels else ()):
             c = dict(GV.config_for(lay), **cfg)
@@ -168,7 +167,6 @@ def main(argv=None):
             def down(c=c, w=w_nk):
                 return GV._reduce(h, w, None, glist, m, m, 1, False, G, FGS, c, True, False)
             add("down", lay, cfg, timed(down, dry), act_f * D)
-        save()
     q_ref = R.q_proj_ref(x, wq, None, mq.bool(), HGS)
     for i, cfg in enumerate(grid(GU) if "q_proj" in args.kernels else ()):
         c = dict(GV.config_for("k_contiguous"), **cfg)
@@ -176,7 +174,6 @@ def main(argv=None):
             check("q_proj", GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c), q_ref)
         add("q_proj", "-", cfg, timed(lambda c=c: GV.q_proj_gemv_triton(x, wq, None, mq, None, HGS, c), dry),
             act_q * D)
-    save()
     a = r(1, NQ) * 50
     o_ref = R.o_proj_ref(a, wo_t, None, mq.bool(), HGS)
     for lay, w_nk in (("k_contiguous", wo), ("d_contiguous", wo_t.t())):
@@ -186,7 +183,6 @@ def main(argv=None):
                 check(f"o_proj ({lay})", GV.o_proj_gemv_triton(a, w_nk, None, mq, None, HGS, c), o_ref)
             add("o_proj", lay, cfg,
                 timed(lambda c=c, w=w_nk: GV.o_proj_gemv_triton(a, w, None, mq, None, HGS, c), dry), act_q * D)
-        save()
     if args.write_config:
         print(f"tuned tiles written to {tuned_path}")
     print(open(os.path.join(args.out, "gemv.md")).read())
