@@ -15,7 +15,8 @@ Variants, per token count T, all from one interleaved run:
   (T = 1 runs on gemv's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
   bucket_mlp's docstring.)
   At 2 <= T <= 16 also bucket_codebook_dense (few_tokens="dense": dense GEMMs with the masks applied), above 16
-  bucket_codebook_unionblocks (prefill_lists="union": no padding per bucket, blocks over their prototypes' union).
+  bucket_codebook_unionblocks (prefill_lists="union": no padding per bucket, blocks over their prototypes' union;
+  the GPU default) and bucket_codebook_padded (prefill_lists="padded": each bucket padded to whole token blocks).
   With --masks FILE (benchmarks/record_router_masks.py's recording of trained routers), above 16 also
   bucket_recorded (padded lists) and bucket_recorded_unionblocks (prefill_lists="union") on the buckets of the
   first T recorded tokens of layer --masks-layer (default: the middle one): prototypes = the window's distinct
@@ -149,11 +150,12 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
         if BK.uses_union(T, BK.config_for(T, gs, w["x"].dtype, w["x"].device)):  # few tokens: dense GEMMs + masks
             cands += [("bucket_codebook_dense", "codebook", dict(few_tokens="dense"))]
         else:  # unpadded blocks of width-ordered tokens over their prototypes' union
-            cands += [("bucket_codebook_unionblocks", "codebook", dict(prefill_lists="union"))]
+            cands += [("bucket_codebook_unionblocks", "codebook", dict(prefill_lists="union")),
+                      ("bucket_codebook_padded", "codebook", dict(prefill_lists="padded"))]
         if args.sweep:
             cands += [(f"bucket_codebook_{i}", "codebook", c) for i, c in enumerate(BK.SWEEP[BK.phase(T)])]
     if "recorded" in w:  # trained routers' buckets (--masks), both ways to cut the sorted tokens
-        cands += [("bucket_recorded", "recorded", None),
+        cands += [("bucket_recorded", "recorded", dict(prefill_lists="padded")),
                   ("bucket_recorded_unionblocks", "recorded", dict(prefill_lists="union"))]
     failed = []
     for name, kind, cfg in cands:

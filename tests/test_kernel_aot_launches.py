@@ -139,6 +139,14 @@ def _cases():
     return cases
 
 
+def global_loads(ptx: str) -> dict:
+    """{PTX global load instruction (e.g. ld.global.v4.b32, ld.global.b16): count} of a compiled kernel."""
+    import collections
+    import re
+
+    return dict(collections.Counter(re.findall(r"ld\.global[\w.]*", ptx)))
+
+
 def record_and_compile(names):
     """In a process without TRITON_INTERPRET: each case's launches compiled for sm_90; {case: [(kernel, shared B,
     error or None), ...]}."""
@@ -163,9 +171,9 @@ def record_and_compile(names):
                 try:
                     ck = triton.compile(ASTSource(fn=jf, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                         options=opts)
-                    seen[key] = (ck.metadata.shared, None)
+                    seen[key] = (ck.metadata.shared, None, global_loads(ck.asm["ptx"]))
                 except Exception as e:  # noqa: BLE001  reported per kernel by the test
-                    seen[key] = (None, f"{type(e).__name__}: {str(e)[:1500]}")
+                    seen[key] = (None, f"{type(e).__name__}: {str(e)[:1500]}", {})
             res.append((jf.__name__, *seen[key]))
         out[name] = res
     return out
@@ -193,6 +201,17 @@ def test_launches_compile_for_sm90_within_shared_memory(compiled, case):
     launches = compiled[case]
     if not launches:
         pytest.skip(f"{case}: no Triton launch (the tuning table runs it on the dense-masked path)")
-    for kernel, shared, error in launches:
+    for kernel, shared, error, _ in launches:
         assert error is None, f"{case}: {kernel} does not compile for sm_90: {error}"
         assert shared <= SM90_SHARED, f"{case}: {kernel} needs {shared} B of shared memory (the GPU has {SM90_SHARED})"
+
+
+@pytest.mark.parametrize("case", ["o_proj_gemv k_contiguous", "mlp_gemv k_contiguous 0", "mlp_gemv bucket"])
+def test_gemv_reduction_reads_weights_with_vector_loads(compiled, case):
+    """The one-token reduction kernel gathers W's columns of the active groups: its weight loads must still be
+    16-byte vector loads (the run hint in gemv._k_tile), not one 2-byte load per element, which reads at a
+    fraction of the bandwidth."""
+    loads = {k: v for kernel, _, _, v in compiled[case] if kernel == "_gemv_k_kernel" for k, v in v.items()}
+    assert loads, f"{case}: no _gemv_k_kernel launch"
+    assert not loads.get("ld.global.b16"), f"{case}: scalar bf16 loads in the reduction kernel: {loads}"
+    assert loads.get("ld.global.v4.b32"), f"{case}: no 16-byte loads in the reduction kernel: {loads}"

@@ -26,10 +26,11 @@ Three launches, no host sync, every buffer a static function of (T, P, F) and th
 The two GEMM kernels also serve the attention projections (bucket_attn.py: bias, q's scatter, o's gathered
 input).
 
-With config prefill_lists="union" the tokens are not padded per bucket: they are sorted by their prototype's width
-(then id, width_order), cut into blocks of BM consecutive tokens, and each block runs over the union of its tokens'
-prototypes, the (token, group) pairs off a token's own prototype masked to 0 (the union block below, per block).
-Buckets near the block size, or many small ones, waste less that way (benchmarks/results/bucket-padding/).
+With config prefill_lists="union" (the GPU default) the tokens are not padded per bucket: they are sorted by their
+prototype's width (then id, width_order), cut into blocks of BM consecutive tokens, and each block runs over the
+union of its tokens' prototypes, the (token, group) pairs off a token's own prototype masked to 0 (the union block
+below, per block). Trained routers fill many buckets far smaller than a block, which the padded lists pad to whole
+blocks (benchmarks/results/bucket-padding/, benchmarks/results/gemv-h100/bucket-recorded/).
 
 One token (a batch-1 decode step) runs on gemv's two GEMVs over its prototype's groups (config one_token).
 Few tokens (T <= union_max_t, a decode step) take one block instead (or, with config few_tokens="dense", dense
@@ -63,15 +64,18 @@ from .tuning import DECODE_T, interpreting
 # GPU few tokens run dense: at 8 and 16 tokens the union block is slower than dense GEMMs plus the mask
 # (benchmarks/results/one-token-h200/). The interpreter keeps the union block as its default, so the tests'
 # default mode runs it (their "few" mode runs the other). The interpreter's tiles are small so the tests'
-# tiny shapes still span several blocks and tiles. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
+# tiny shapes still span several blocks and tiles. prefill_lists: "union" on the GPU (on trained routers' buckets the
+# padded lists compute several times the asked work: benchmarks/results/gemv-h100/bucket-recorded/); the
+# interpreter's default stays "padded", so the tests' default mode runs the bucket lists (their "union_blocks" mode
+# runs the other). benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
                        dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1, union_max_t=DECODE_T,
-                       one_token="gemv", few_tokens="dense", prefill_lists="padded"),
+                       one_token="gemv", few_tokens="dense", prefill_lists="union"),
         "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
                         dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="dense", prefill_lists="padded"),
+                        one_token="gemv", few_tokens="dense", prefill_lists="union"),
     },
     "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
                         dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2, union_max_t=DECODE_T,

@@ -195,7 +195,7 @@ def _n_tile(w1_rows, w2_rows, on, k0, D, stride_w1k, stride_w2k, BK: tl.constexp
 
 @triton.jit
 def _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0, width, stride_wk, GS: tl.constexpr,
-            GP2: tl.constexpr, BK: tl.constexpr, COMPACT_A: tl.constexpr):
+            GP2: tl.constexpr, BK: tl.constexpr, COMPACT_A: tl.constexpr, RUN: tl.constexpr):
     # the [BN, BK] tile of W over compact K offset k0 (W's columns from the group list or the mask row) and the
     # matching [BK] slice of a, fp32; zeros past the active width
     kc = k0 + tl.arange(0, BK)
@@ -205,6 +205,10 @@ def _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0, width, stride_wk, G
     else:
         g = _nth_active(act, excl, kc // GS, GP2)
     kf = (g * GS + kc % GS).to(tl.int64)                                 # [BK] W's columns
+    # W's columns come in runs of RUN (min(BK, the largest power of two dividing GS)) consecutive columns, each run
+    # starting at a multiple of RUN: group and tile boundaries are both multiples of RUN. Said to the compiler, the
+    # gathered loads become vector loads.
+    kf = tl.max_contiguous(tl.multiple_of(kf, RUN), RUN)
     if COMPACT_A:
         av = tl.load(a_ptr + kc, mask=kv, other=0.0).to(tl.float32)
     else:
@@ -274,7 +278,7 @@ def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, b
 def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, bucket_ptr, P, N, stride_wn,
                    stride_wk, G: tl.constexpr, GP2: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, SPLIT: tl.constexpr, COMPACT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BUCKET: tl.constexpr, PREFETCH: tl.constexpr):
+                   BUCKET: tl.constexpr, PREFETCH: tl.constexpr, RUN: tl.constexpr):
     # out[:N] = W[:, active] @ a[active] (+ b). COMPACT_A: a is the compact h of the gated kernel and the group
     # list says whose columns it holds; else a is full width and each K tile's groups are found in registers
     n = tl.program_id(0)
@@ -289,15 +293,15 @@ def _gemv_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, part_ptr, glist_ptr, mask_ptr, 
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     if PREFETCH:
         wn, an = _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, s * BK, width, stride_wk, GS, GP2, BK,
-                         COMPACT_A)
+                         COMPACT_A, RUN)
     for k0 in range(s * BK, width, SPLIT * BK):  # compact K tiles s, s + SPLIT, ...
         if PREFETCH:  # the next tile's loads go out before this tile's products
             w, av = wn, an
             wn, an = _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0 + SPLIT * BK, width, stride_wk, GS,
-                             GP2, BK, COMPACT_A)
+                             GP2, BK, COMPACT_A, RUN)
         else:
             w, av = _k_tile(a_ptr, w_cols, cvalid, glist_ptr, act, excl, k0, width, stride_wk, GS, GP2, BK,
-                            COMPACT_A)
+                            COMPACT_A, RUN)
         acc += w.to(tl.float32) * av[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT == 1:
@@ -342,6 +346,7 @@ def _reduce(a, w_nk, bias, glist, mask8, bk, P, use_bucket, G, group_size, cfg, 
         a, w_nk, b_, out, part, glist, mask8, bk, P, N, w_nk.stride(0), w_nk.stride(1),
         G=G, GP2=triton.next_power_of_2(G), GS=group_size, BN=cfg["gd_bn"], BK=cfg["gd_bk"], SPLIT=split,
         COMPACT_A=compact_a, HAS_BIAS=bias is not None, BUCKET=use_bucket, PREFETCH=cfg["gd_prefetch"],
+        RUN=min(cfg["gd_bk"], group_size & -group_size),
         num_warps=cfg["gd_warps"],
         num_stages=cfg["gd_stages"])
     if split > 1:
