@@ -26,7 +26,8 @@ def test_dry_run_writes_checked_rows(tmp_path):
     assert data["command"] in md and data["device"] in md and data["date"] in md
     rows = data["rows"]
     assert [(r["T"], r["variant"]) for r in rows] == ([(1, v) for v in ONE_TOKEN]
-                                                     + [(17, v) for v in VARIANTS + ("bucket_codebook_unionblocks",)])
+                                                     + [(17, v) for v in VARIANTS + ("bucket_codebook_unionblocks",
+                                                                                   "bucket_codebook_padded")])
     for r in rows:
         assert set(r["ms"]) == {"median", "p10", "p90", "n", "min"} and r["ms"]["median"] > 0
         assert r["speedup_vs_dense"] > 0 and 0 <= r["capacity"] <= 1
