@@ -78,7 +78,7 @@ def _signature(kernel, args, kwargs):
 def _cases():
     """name -> a function launching one op's kernels on CPU tensors (nothing runs: the launches are recorded)."""
     from wide_compile.kernels import attn_decode, attn_prefill, bucket_attn, bucket_mlp, compact_attn, compact_mlp
-    from wide_compile.kernels import gemv, norm_router
+    from wide_compile.kernels import dense_masked, gemv, norm_router
 
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -120,6 +120,7 @@ def _cases():
     cases["mlp_bucket union_blocks T=2048"] = lambda: bucket_mlp.mlp_bucket_triton(
         t(2048, D), t(F, D), t(F, D), t(D, F), bucket(2048, 16), protos(16, F // FGS), FGS,
         config=dict(prefill_lists="union"))
+    cases["gated_select T=16"] = lambda: dense_masked.gated_select_triton(t(16, F), t(16, F), mask(16, F // FGS), FGS)
     cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
                                                            None, HGS * HD)
     for kind in ("k_contiguous", "d_contiguous"):
@@ -153,10 +154,11 @@ def record_and_compile(names):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from wide_compile.kernels import attn_decode, attn_prefill, bucket_mlp, compact_mlp, gemv, norm_router, reorder
+    from wide_compile.kernels import (attn_decode, attn_prefill, bucket_mlp, compact_mlp, dense_masked, gemv, norm_router,
+                                      reorder)
 
     rec = Recorder()
-    for mod in (attn_decode, attn_prefill, bucket_mlp, compact_mlp, gemv, norm_router, reorder):
+    for mod in (attn_decode, attn_prefill, bucket_mlp, compact_mlp, dense_masked, gemv, norm_router, reorder):
         mod._launcher = rec
     cases, out, seen = _cases(), {}, {}
     assert sorted(cases) == sorted(CASE_NAMES), "CASE_NAMES and _cases() list the same cases"
@@ -182,7 +184,7 @@ def record_and_compile(names):
 CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", "o_proj", "mlp_bucket", "q_proj_bucket",
                                                                   "o_proj_bucket", "rmsnorm_router")]
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
-              + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
+              + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 
 

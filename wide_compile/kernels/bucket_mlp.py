@@ -50,7 +50,8 @@ import triton.language as tl
 
 from . import reference as _ref
 from . import gemv
-from .compact_mlp import ACT_IDS, fit_shared_memory, gated_act, gather_gemm, shared_memory_bytes
+from .activations import ACT_IDS, gated_act
+from .compact_mlp import fit_shared_memory, gather_gemm, shared_memory_bytes
 from .dense_masked import mlp_dense_masked
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import DECODE_T, interpreting
@@ -516,7 +517,8 @@ def width_order(bucket: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
     P = protos.shape[0]
     valid = (bucket >= 0) & (bucket < P)
     b = torch.where(valid, bucket, 0).long()
-    key = torch.where(valid, protos.to(torch.int64).sum(1)[b] * (P + 1) + b, (P + 1) * (protos.shape[1] + 1))
+    width = torch.gather(protos.to(torch.int64).sum(1), 0, b)  # gather, not [b]: its fake-tensor form is device-free
+    key = torch.where(valid, width * (P + 1) + b, (P + 1) * (protos.shape[1] + 1))
     return torch.argsort(key, stable=True).to(torch.int32)
 
 
@@ -621,7 +623,7 @@ def mlp_bucket_triton(x, w_gate, w_up, w_down, bucket, protos, group_size: int, 
         return gemv.mlp_gemv_triton(x, w_gate, w_up, w_down, protos, bucket, group_size, act, cfg, wrap)
     if uses_dense(T, cfg):
         mask, valid = mask_and_valid(bucket, protos)
-        return nan_rows(mlp_dense_masked(x, w_gate, w_up, w_down.t(), mask, group_size, act), valid)
+        return nan_rows(mlp_dense_masked(x, w_gate, w_up, w_down.t(), mask, group_size, act, wrap), valid)
     lists = make_lists(bucket, protos, cfg, wrap)
     h = gate_up_triton(x, w_gate, w_up, lists, group_size, act, cfg, wrap)
     return down_triton(h, w_down, lists, T, group_size, cfg, wrap)

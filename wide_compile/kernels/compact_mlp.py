@@ -26,22 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .activations import ACT_IDS, gated_act
 from .dense_masked import mlp_dense_masked
 from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists_triton
 from .tuning import DECODE_T, interpreting, resolve  # noqa: F401  (DECODE_T: re-exported)
-
-
-@triton.jit
-def gated_act(acc1, acc2, ACT: tl.constexpr):
-    # act(acc1) * acc2 in fp32, act by ACT_IDS: the gated MLP kernels' shared epilogue
-    if ACT == 0:  # silu
-        y = acc1 * tl.sigmoid(acc1) * acc2
-    elif ACT == 1:  # gelu: x * Phi(x)
-        y = 0.5 * acc1 * (1.0 + tl.math.erf(acc1 * 0.7071067811865476)) * acc2
-    else:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
-        z = 0.7978845608028654 * (acc1 + 0.044715 * acc1 * acc1 * acc1)
-        y = acc1 * tl.sigmoid(2.0 * z) * acc2
-    return y
 
 
 @triton.jit
@@ -198,10 +186,6 @@ def _kskip_kernel(a_ptr, w_ptr, b_ptr, out_ptr, mask_ptr, tg_ptr, tc_ptr,
         tl.atomic_add(optr, acc, mask=omask)
     else:
         tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-# the _ngather_kernel's ACT constexpr per gate activation (reference.ACTIVATIONS)
-ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -362,7 +346,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
 
         return mlp_gemv_triton(x, w_gate, w_up, w_down_t.t(), mask, None, group_size, act, cfg, wrap)
     if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway
-        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size, act)
+        return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size, act, wrap)
     mask8 = _as_uint8(mask)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .compact_mlp import ACT_IDS, gated_act
+from .activations import ACT_IDS, gated_act
 from .reorder import _as_uint8, _launcher, alloc
 from .tuning import device_key, interpreting
 
