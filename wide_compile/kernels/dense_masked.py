@@ -12,10 +12,11 @@ Same semantics as reference.py: inactive groups contribute exactly 0 (a select, 
 non-finite value in an inactive group cannot leak), h is rounded to the input dtype once, after
 act(g) * u in fp32, like the Triton kernels.
 
-The MLP's elementwise middle (act(g) * u in fp32, rounded, then the mask's select) is one Triton launch,
-``_gated_select_kernel``, where eager PyTorch would launch one kernel per cast, the activation, the product and the
-select: in a decode step every launch costs about as much as reading a small layer's weights. ``gated_select_ref``
-is the same in PyTorch, beside it (and what runs on a CPU outside the Triton interpreter).
+Called eagerly, the MLP's elementwise middle (act(g) * u in fp32, rounded, then the mask's select) is one Triton
+launch, ``_gated_select_kernel``, where eager PyTorch would launch one kernel per cast, the activation, the product
+and the select: in a decode step every launch costs about as much as reading a small layer's weights. Traced for
+Inductor (the ops' `wrap`), the PyTorch form ``gated_select_ref`` stays, because Inductor fuses it into one kernel
+itself. ``gated_select_ref`` is also what runs on a CPU outside the Triton interpreter.
 """
 from __future__ import annotations
 
@@ -81,13 +82,13 @@ def _select(t: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
 def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int, act: str = "silu",
                      wrap: bool = False) -> torch.Tensor:
     """x [T, D], w_gate/w_up [F, D], w_down_t [F, D], mask [T, G] bool -> [T, D]; act: the gate activation
-    (reference.ACTIVATIONS). The elementwise middle is gated_select_triton on a GPU or under the Triton
-    interpreter, gated_select_ref on a plain CPU."""
+    (reference.ACTIVATIONS). The elementwise middle is gated_select_triton when called eagerly on a GPU or under
+    the Triton interpreter; gated_select_ref on a plain CPU and when traced for Inductor (wrap)."""
     g = torch.mm(x, w_gate.t())  # [T, F]
     u = torch.mm(x, w_up.t())  # [T, F]
-    if x.is_cuda or interpreting():
-        h = gated_select_triton(g, u, mask, group_size, act, wrap)
-    else:
+    if (x.is_cuda or interpreting()) and not wrap:
+        h = gated_select_triton(g, u, mask, group_size, act)
+    else:  # traced (wrap): Inductor fuses these elementwise ops into one kernel itself, and into what it sees around
         h = gated_select_ref(g, u, mask, group_size, act)
     return torch.mm(h, w_down_t)
 
