@@ -89,6 +89,8 @@
 #                          generation at batch 32)
 #   pack                   that run's (RUNS': all) routers, LoRA, summary, curves and quality records as
 #                          $OUT/run-NAME.tgz
+#   pack_out               every file under $OUT so far into one $OUT/out-HHMMSS.tgz (a call brings back at most 8
+#                          files, at most 2 folders down: end a call whose steps write more with this step)
 #   sweep1, sweep2         needs setup + tokens: the capacity sweep of issue 19 (benchmarks/capacity_sweep.py):
 #                          WIDE / SkipGPT-style / static x SWEEP_CAPS (0.3 0.5 0.7 0.85) at one small equal
 #                          budget (SWEEP_ARGS) into /root/wcache/runs/sw-METHOD-CAP. sweep1 trains the 12 runs,
@@ -408,6 +410,11 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
     (cd "$C/runs" && tar czf "$OUT/convert-ft.tgz" $(for r in $names; do ls -d "$r"/converted.json "$r"/routers.safetensors \
       "$r"/lora.safetensors "$r"/stage2.json "$r"/curve.* "$r"/quality 2>/dev/null; done)) && ls -la "$OUT/convert-ft.tgz"
     return $rc ;;
+  pack_out)
+    local name="out-$(date +%H%M%S).tgz"
+    (cd "$OUT" && find . -type f ! -name 'out-*.tgz' | sort > /tmp/pack_out.list &&
+      tar czf "$name" -T /tmp/pack_out.list && xargs rm -f < /tmp/pack_out.list &&
+      find . -mindepth 1 -type d -empty -delete && echo "$name: $(wc -l < /tmp/pack_out.list) files") ;;
   sweep1)  # exit 75: some runs paused or not started; repeat sweep1
     sweep_train ;;
   sweep2)  # exit 75: some runs not scored yet; repeat sweep2 (after sweep1 if a run is not trained)
