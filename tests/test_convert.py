@@ -270,3 +270,33 @@ def test_codebook_calibration_tries_the_tilt_before_shifting_prototypes():
     calibrate_offset_(model, out, cal, target=target, tol=0.02, log=lambda *_: None)  # coarse allowed
     assert deterministic_capacity(model, out, cal)["overall"] == pytest.approx(target, abs=0.02)
     assert all(torch.equal(b, x.prototypes) for b, x in zip(before, list(out.attn) + list(out.ffn)))
+
+
+def test_recalibrate_capacity_script_moves_a_free_set_to_the_target(monkeypatch, tmp_path):
+    """benchmarks/recalibrate_capacity.py on a tiny model: the saved routers' deterministic capacity on the
+    calibration blocks is the target (before: the set's own), and the record says both."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import recalibrate_capacity
+
+    from wide_compile.routing.calibrate import deterministic_capacity
+    from wide_compile.training import convert as tconv
+
+    model = tiny_model("smollm2", seed=3)
+    free = _random_free(model, FREE_WIDE)
+    cal = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    free.calibrate_(model, cal, capacity=0.5)
+    monkeypatch.setattr(tconv, "free_routers_on_text", lambda *a, **k: (model, free, cal, "src.safetensors", None))
+    out = tmp_path / "moved.safetensors"
+    rec = recalibrate_capacity.main(["--routers", "x", "--capacity", "0.8", "--out", str(out), "--calib-tokens", "128",
+                                     "--seq-len", "32"])
+    assert rec["capacity_before"]["overall"] == pytest.approx(0.5, abs=0.03)
+    assert rec["capacity_after"]["overall"] == pytest.approx(0.8, abs=0.01)
+    assert json.loads(out.with_suffix(".json").read_text())["target"] == 0.8
+    back = wc.Routers.load(out, model)
+    assert deterministic_capacity(model, back, cal)["overall"] == pytest.approx(rec["capacity_after"]["overall"])
+    with pytest.raises(SystemExit):
+        recalibrate_capacity.main(["--routers", "x", "--capacity", "1.5", "--out", str(out)])
