@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .activations import ACT_IDS, gated_act
 from .reorder import _as_uint8, _launcher, alloc
-from .tuning import device_key, interpreting
+from .tuning import cuda_device_key, interpreting
 
 # Built-in tiles per device class and per layout of the reduction-side weight ("k_contiguous": W[d, k] rows
 # contiguous over k, as down_proj.weight / o_proj.weight; "d_contiguous": the transposed copies the free ops hold).
@@ -99,9 +99,9 @@ LAYOUTS = ("k_contiguous", "d_contiguous")
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned_file(device_name: str) -> dict:
-    """The tuned tiles of a GPU ({} without a file), checked: every entry names only GEMV keys."""
-    path = TUNED_DIR / f"{device_key(device_name)}.json"
+def _tuned_file(key: str) -> dict:
+    """The tuned tiles of a GPU by its device_key ({} without a file), checked: every entry names only GEMV keys."""
+    path = TUNED_DIR / f"{key}.json"
     if not path.exists():
         return {}
     with open(path) as f:
@@ -118,12 +118,10 @@ def _tuned_file(device_name: str) -> dict:
 def tuned(op: str, kind: str, device=None) -> dict:
     """The tuned file's tiles for `op` ("mlp", "q_proj", "o_proj") with a reduction weight of layout `kind` on
     `device` (default: the current CUDA device): {} under the interpreter, without a GPU or without a file."""
-    if interpreting() or not torch.cuda.is_available():
+    key = None if interpreting() else cuda_device_key(device)
+    if key is None:
         return {}
-    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    if dev.type != "cuda":
-        return {}
-    d = _tuned_file(torch.cuda.get_device_name(dev.index if dev.index is not None else torch.cuda.current_device()))
+    d = _tuned_file(key)
     n_kernel, k_kernel = TUNED_KERNELS[op]
     out = dict(d.get(n_kernel, {})) if n_kernel else {}
     if k_kernel:

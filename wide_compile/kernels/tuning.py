@@ -107,19 +107,26 @@ def _table(key: str) -> KernelTuning:
     return KernelTuning.load(CONFIG_DIR / f"{key}.json")
 
 
+def cuda_device_key(device=None) -> Optional[str]:
+    """device_key of the CUDA GPU that `device` names (None: the current one); None without CUDA or for another
+    device type. The file name under which per-GPU tuning data is looked up."""
+    import torch
+
+    dev = torch.device(device) if device is not None else None
+    if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda"):
+        return None
+    idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+    return device_key(torch.cuda.get_device_name(idx))
+
+
 def table_for(device=None) -> KernelTuning:
     """The shipped table for a device: the interpreter's under TRITON_INTERPRET=1, else configs/<GPU name>.json
     when there is one, else configs/default.json."""
     if interpreting():
         return _table(INTERPRETER)
-    import torch
-
-    dev = torch.device(device) if device is not None else None
-    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
-        idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
-        key = device_key(torch.cuda.get_device_name(idx))
-        if (CONFIG_DIR / f"{key}.json").exists():
-            return _table(key)
+    key = cuda_device_key(device)
+    if key is not None and (CONFIG_DIR / f"{key}.json").exists():
+        return _table(key)
     return _table(DEFAULT)
 
 
