@@ -44,16 +44,14 @@ def main(argv=None) -> dict:
     import torch
 
     from wide_compile.eval import prompts as prompt_sets
-    from wide_compile.eval.generation import agreement_summary, encode_prompts, greedy_continuations
+    from wide_compile.eval.generation import agreement_summary, encode_prompts, greedy_continuations, stop_ids
     from wide_compile.models.smollm2 import load_smollm2
 
     torch.manual_seed(0)
     ref, tok = load_smollm2(torch.float32, "cpu", args.gguf)
     rows = prompt_sets.load(args.prompts)[:args.limit]
     ids = encode_prompts(tok, [r["prompt"] for r in rows])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = [tok.eos_token_id] + [t for t in [tok.convert_tokens_to_ids("<|im_end|>")] if isinstance(t, int)
-                                 and t != tok.unk_token_id]
+    pad, eos = stop_ids(tok)
     kw = dict(max_new=args.max_new_tokens, batch_size=args.batch_size, pad_id=pad, eos_ids=eos)
     ref_cont = greedy_continuations(ref, ids, **kw)
     out = dict(command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)),

@@ -25,6 +25,14 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return out
 
 
+def stop_ids(tokenizer) -> tuple[int, list[int]]:
+    """(pad id, ids that end an answer: EOS and the chat template's end-of-turn token when it has one)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = [tokenizer.eos_token_id] + [t for t in [turn_end] if isinstance(t, int) and t != tokenizer.unk_token_id]
+    return pad, eos
+
+
 def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
     for j, t in enumerate(row):
         if t in eos:

@@ -65,14 +65,12 @@ def run_positions(models, a, root):
 
 def run_generation(models, a, root):
     from . import prompts as prompt_sets
-    from .generation import agreement_summary, encode_prompts, greedy_continuations
+    from .generation import agreement_summary, encode_prompts, greedy_continuations, stop_ids
 
     rows = prompt_sets.load(a.prompts)[:a.limit]
     tok = models.tokenizer
     ids = encode_prompts(tok, [r["prompt"] for r in rows])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = [tok.eos_token_id] + [t for t in [tok.convert_tokens_to_ids("<|im_end|>")] if isinstance(t, int)
-                                 and t != tok.unk_token_id]
+    pad, eos = stop_ids(tok)
     kw = dict(max_new=a.max_new_tokens, batch_size=a.batch_size, pad_id=pad, eos_ids=eos)
     with routed(models.dense, None):
         dense_cont = greedy_continuations(models.dense, ids, **kw)
