@@ -64,7 +64,7 @@ def _read_json(path: Path, run: Path) -> dict:
         hint = ("not a finished recipe run (python -m wide_compile.training recipe writes it at the end)"
                 if path.name == "summary.json" else
                 f"score it: wide eval quality --routers {run}/routers.safetensors --lora {run}/lora.safetensors "
-                f"--metrics ppl,positions --out {run}/quality")
+                f"--metrics ppl --out {run}/quality")
         raise SweepError(f"run folder {run}: no {path.relative_to(run)}; {hint}")
     try:
         return json.loads(path.read_text())

@@ -91,11 +91,19 @@
 #                          $OUT/run-NAME.tgz
 #   pack_out               every file under $OUT so far into one $OUT/out-HHMMSS.tgz (a call brings back at most 8
 #                          files, at most 2 folders down: end a call whose steps write more with this step)
+#   answers                needs setup + tokens: the dense model's greedy chat answers to ANSWERS_N (8192) prompts
+#                          built from the train text (python -m wide_compile.training answers), packed into 512-token
+#                          blocks at /root/wcache/answers.npy; its record comes back as $OUT/answers.json
+#   distill                needs setup + tokens (+ answers): stage 2 continued from the shipped routers + LoRA, routers
+#                          jointly, each of DISTILL_RUNS at once (NAME CAPACITY SHIPPED ARGS...; ARGS after
+#                          DISTILL_S2_ARGS), paused before DEADLINE_S (400); then `wide eval quality` (ppl, generation)
+#                          on each finished run, one at a time, and $OUT/distill.tgz (routers, LoRA, curves, quality
+#                          records, logs). Repeat the step to continue paused runs / score the rest
 #   sweep1, sweep2         needs setup + tokens: the capacity sweep of issue 19 (benchmarks/capacity_sweep.py):
 #                          WIDE / SkipGPT-style / static x SWEEP_CAPS (0.3 0.5 0.7 0.85) at one small equal
 #                          budget (SWEEP_ARGS) into /root/wcache/runs/sw-METHOD-CAP. sweep1 trains the 12 runs,
 #                          SWEEP_PARALLEL (4) processes at a time, each paused before the step's SWEEP_S (500)
-#                          seconds end; sweep2 scores every trained run with `wide eval quality` (ppl, positions),
+#                          seconds end; sweep2 scores every trained run with `wide eval quality` (ppl),
 #                          one at a time. Both skip what is done and resume what paused: repeat a step until it
 #                          reports nothing left. Each ends with $OUT/sweep.tgz: summaries, stage curves, quality
 #                          records and logs of every sweep run (no routers or LoRA)
@@ -112,12 +120,12 @@ RUN=${RUN:-c$CAP}
 # SkipGPT-style runs train both stages, the static runs stage 2 only; all 12 share one GPU, four processes at
 # a time (the memory that five runs at batch 16 need is at the card's edge:
 # benchmarks/results/quality-smollm2/budget3m-c0.5/README.md), and sweep1 pauses (exit 75, re-run to go on)
-# when its call's time is up. Quality runs one run at a time at batch 8 (parallel runs at batch 32 ran out of
-# memory), in a call of its own (sweep2).
+# when its call's time is up. Quality (WikiText-2 perplexity, the figure the sweep compares) runs one run at a
+# time (parallel runs at batch 32 ran out of memory), in a call of its own (sweep2).
 SWEEP_CAPS=${SWEEP_CAPS:-0.3 0.5 0.7 0.85}
 SWEEP_ARGS=${SWEEP_ARGS:---batch-size 16 --s1-epochs 0.1 --s2-epochs 0.05}
 SWEEP_PARALLEL=${SWEEP_PARALLEL:-4}
-SWEEP_QUALITY_ARGS="--metrics ppl,positions --batch-size 8"
+SWEEP_QUALITY_ARGS="--metrics ppl --batch-size 32"
 
 # sweep_runs: one line per sweep run, NAME CAP ARGS..., the two-stage runs first (the static ones are shorter)
 sweep_runs() {
@@ -149,6 +157,32 @@ one_convert_ft() {
     --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-400}" $CONVERT_S2_ARGS \
     >> "$OUT/convert-$name.log" 2>&1
   local rc=$?; grep -v "^\s*$" "$OUT/convert-$name.log" | tail -5 | sed "s/^/[$name] /"; return $rc
+}
+
+# distill: stage 2 continued from a shipped router set and its LoRA on text, chat turns and (where a run's ARGS say
+# so) the dense model's own answers; every run gets the same budget, so a run without --answers is the control.
+# One line per run: NAME CAPACITY SHIPPED-NAME ARGS...
+DISTILL_RUNS=${DISTILL_RUNS:-"d70 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.35 --chat-frac 0.15; \
+d70a 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.6 --chat-frac 0.1; \
+t70 0.7 smollm2-135m-c70 --chat-frac 0.25"}
+DISTILL_S2_ARGS=${DISTILL_S2_ARGS:---joint true --lr 2e-4 --router-lr 2e-4 --separate-targets true --tau-start 1.0 \
+  --tau-end 1.0 --noise-off-frac 1.0 --epochs 0.2 --batch-size 16 --eval-every 40 --patience 4 --amp true}
+
+one_distill() {
+  local name=$1 cap=$2 shipped=wide_compile/pretrained/$3; shift 3
+  # shellcheck disable=SC2086
+  python3 -m wide_compile.training stage2 --routers "$shipped.safetensors" --init-lora "$shipped.lora.safetensors" \
+    --out "$C/runs/$name" --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-400}" \
+    --capacity "$cap" $DISTILL_S2_ARGS "$@" >> "$OUT/distill-$name.log" 2>&1
+  local rc=$?; grep -v "^\s*$" "$OUT/distill-$name.log" | tail -4 | sed "s/^/[$name] /"; return $rc
+}
+
+# pack_runs ARCHIVE NAME...: whatever each run folder holds of routers, LoRA, records, curves and quality into $OUT
+pack_runs() {
+  local archive=$1; shift
+  (cd "$C/runs" && tar czf "$OUT/$archive" $(for r in "$@"; do ls -d "$r"/converted.json "$r"/routers.safetensors \
+    "$r"/lora.safetensors "$r"/summary.json "$r"/stage2.json "$r"/curve.* "$r"/stage*/curve.* "$r"/stage*/stage*.json \
+    "$r"/quality 2>/dev/null; done)) && ls -la "$OUT/$archive"
 }
 
 # e2e LOG_NAME TIMEOUT_S ARGS...: bench_e2e.py under a timeout, its budget 30 s inside it, the log's summary lines
@@ -406,9 +440,32 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
       [ -f "$C/runs/$entry/lora.safetensors" ] && QUALITY_ARGS="--metrics ppl,positions,generation --batch-size 8" \
         one_quality "$entry"
     done
-    local names; names=$(echo "$CONVERT_RUNS" | tr ';' '\n' | awk 'NF {print $1}')
-    (cd "$C/runs" && tar czf "$OUT/convert-ft.tgz" $(for r in $names; do ls -d "$r"/converted.json "$r"/routers.safetensors \
-      "$r"/lora.safetensors "$r"/stage2.json "$r"/curve.* "$r"/quality 2>/dev/null; done)) && ls -la "$OUT/convert-ft.tgz"
+    # shellcheck disable=SC2046
+    pack_runs convert-ft.tgz $(echo "$CONVERT_RUNS" | tr ';' '\n' | awk 'NF {print $1}')
+    return $rc ;;
+  answers)
+    [ -f "$C/answers.npy" ] || python3 -m wide_compile.training answers --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" \
+      --out "$C/answers.npy" --n "${ANSWERS_N:-8192}" --batch-size "${ANSWERS_BATCH:-512}" --device cuda \
+      > "$OUT/answers.log" 2>&1
+    tail -2 "$OUT/answers.log"; cp "$C/answers.json" "$OUT/" ;;
+  distill)  # exit 75: a run paused at the deadline, repeat distill
+    local rc=0 pids=() entry name names
+    names=$(echo "$DISTILL_RUNS" | tr ';' '\n' | awk 'NF {print $1}')
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # the runs share the GPU
+    while read -r entry; do
+      [ -z "${entry// }" ] && continue
+      [ -f "$C/runs/${entry%% *}/lora.safetensors" ] && continue
+      # shellcheck disable=SC2086
+      one_distill $entry & pids+=($!)
+    done < <(echo "$DISTILL_RUNS" | tr ';' '\n')
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    for name in $names; do  # the call's own clock (SECONDS): a quality run takes about a minute
+      [ -f "$C/runs/$name/lora.safetensors" ] && [ ! -f "$C/runs/$name/quality/summary.md" ] || continue
+      if [ "$SECONDS" -gt "${QUALITY_BEFORE_S:-460}" ]; then echo "[$name] not scored yet: repeat distill"; rc=75; continue; fi
+      QUALITY_ARGS=${QUALITY_ARGS:-"--metrics ppl,generation --batch-size 32"} one_quality "$name"
+    done
+    # shellcheck disable=SC2086
+    pack_runs distill.tgz $names
     return $rc ;;
   pack_out)
     local name="out-$(date +%H%M%S).tgz"

@@ -514,6 +514,40 @@ def test_gpu_calls_sweep_runs_parse():
     assert flags and flags <= known, flags - known
 
 
+def test_gpu_calls_distill_runs_parse():
+    """The distill step (scripts/gpu_calls.sh): every run of DISTILL_RUNS is a stage-2 command line that parses,
+    continues a shipped router set and LoRA that exist, and all runs share one budget; per capacity runs train
+    on dense answers and one control on the recipe's mix of text and chat turns."""
+    import re
+    import subprocess
+
+    from wide_compile.training import stage2
+    from wide_compile.training.recipe import CHAT_FRAC_GPU
+
+    text = (ROOT / "scripts" / "gpu_calls.sh").read_text()
+    assert re.search(r"^#   distill ", text, re.M) and "  distill)" in text and "  answers)" in text
+    defs = text[text.index("DISTILL_RUNS="):text.index("\n}\n", text.index("one_distill() {")) + 3]
+    script = "C=/c; " + defs + """
+    one_distill() { echo "$@"; }
+    echo "$DISTILL_RUNS" | tr ';' '\\n' | while read -r e; do [ -n "$e" ] && one_distill $e $DISTILL_S2_ARGS; done"""
+    lines = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(lines) >= 2
+    budgets, mixes = set(), {}
+    for line in lines:
+        name, cap, shipped, *args = line.split()
+        for suffix in (".safetensors", ".lora.safetensors"):
+            assert (ROOT / "wide_compile" / "pretrained" / (shipped + suffix)).is_file(), shipped
+        a = stage2.parser().parse_args(["--routers", "r", "--out", "o", "--capacity", cap, *args])
+        assert a.joint and a.amp
+        budgets.add((a.epochs, a.batch_size, a.lr, a.router_lr, a.seq_len))
+        mixes[name] = (cap, a.answers is not None, a.chat_frac)
+    assert len(budgets) == 1
+    assert {m[1] for m in mixes.values()} == {True, False}
+    for cap in {m[0] for m in mixes.values()}:  # per capacity: runs with answers, one control with the recipe's mix
+        runs = [m for m in mixes.values() if m[0] == cap]
+        assert any(r[1] for r in runs) and [r[2] for r in runs if not r[1]] == [CHAT_FRAC_GPU]
+
+
 def test_gqa_decode_attention_matches_sdpa_in_decode():
     """e2e/attention.py's gqa_decode: transformers' SDPA logits in prefill and in decode steps against a
     static cache (the unwritten tail masked), where it runs wide.attn_decode with every head on; the WIDE

@@ -35,7 +35,7 @@ class ChatFormat:
     assistant_tokens: tuple[int, int] = (24, 256)  # passage tokens in an assistant turn (min, max)
 
     @classmethod
-    def from_tokenizer(cls, tok, **kw) -> "ChatFormat":
+    def from_tokenizer(cls, tok, instructions: tuple[str, ...] = INSTRUCTIONS, **kw) -> "ChatFormat":
         if not getattr(tok, "chat_template", None):
             raise ValueError("chat-formatted training needs a tokenizer with a chat template; "
                              "set the chat fraction to 0 for this model")
@@ -49,7 +49,7 @@ class ChatFormat:
         enc = lambda s: tuple(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
         if enc(p1) != enc(p3):
             raise ValueError("the chat template's assistant header differs between turns; not supported")
-        return cls(enc(p0), enc(p1), enc(p2), tuple(enc(s) for s in INSTRUCTIONS), **kw)
+        return cls(enc(p0), enc(p1), enc(p2), tuple(enc(s) for s in instructions), **kw)
 
     def wrap(self, block: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """block: [L] token ids of plain text -> [L] ids laid out as chat exchanges (same dtype)."""

@@ -77,11 +77,14 @@ def tokenize_corpus(tok, files: list[Path], max_tokens: int | None = None, seed:
 
 class TokenBlocks:
     """Fixed-length blocks of a token stream, split into train / held-out. With `chat` (training/chat.py) a
-    seeded `chat_frac` of the train blocks is laid out as chat exchanges; the held-out blocks stay plain
-    text, so held-out perplexity means the same with and without."""
+    seeded `chat_frac` of the train blocks is laid out as chat exchanges; with `answers` ([N, seq_len] blocks of
+    the dense model's own chat answers, training/dense_answers.py) a seeded `answers_frac` of the other train
+    blocks is replaced by them (cycling through them when fewer). The held-out blocks stay plain text, so
+    held-out perplexity means the same with and without."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, heldout_frac: float = 0.02, chat=None,
-                 chat_frac: float = 0.0, seed: int = 0):
+                 chat_frac: float = 0.0, seed: int = 0, answers: np.ndarray | None = None,
+                 answers_frac: float = 0.0):
         tokens = np.asarray(tokens)
         nblk = len(tokens) // seq_len
         if nblk < 2:
@@ -95,6 +98,11 @@ class TokenBlocks:
             from .chat import wrap_blocks
 
             train, self.chat_rows = wrap_blocks(train, chat, chat_frac, seed=seed)
+        self.answer_rows = np.zeros(0, np.int64)
+        if answers is not None and answers_frac > 0:
+            train, self.answer_rows = _mix_answers(train, self.chat_rows, answers, answers_frac, seed)
+        elif answers_frac > 0:
+            raise ValueError("answers_frac > 0 needs the answer blocks (training/dense_answers.py)")
         self.train, self.heldout = torch.from_numpy(train), torch.from_numpy(blocks[-nh:])
         self.seq_len = seq_len
 
@@ -110,6 +118,24 @@ class TokenBlocks:
             pos += batch_size
             if step >= start:
                 yield self.train[idx]
+
+
+def _mix_answers(train: np.ndarray, chat_rows: np.ndarray, answers: np.ndarray, frac: float,
+                 seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """train [N, L] with a seeded `frac` of its rows (never a chat row) replaced by answer blocks [M, L]."""
+    answers = np.asarray(answers)
+    if answers.ndim != 2 or answers.shape[1] != train.shape[1] or len(answers) == 0:
+        raise ValueError(f"answer blocks of shape {tuple(answers.shape)} do not fit train blocks of "
+                         f"{train.shape[1]} tokens: write them again with --seq-len {train.shape[1]}")
+    n = int(round(frac * len(train)))
+    free = np.setdiff1d(np.arange(len(train)), chat_rows)
+    if not 0.0 <= frac <= 1.0 or n > len(free):
+        raise ValueError(f"answers fraction {frac} with {len(chat_rows)} of {len(train)} train blocks already "
+                         "chat turns: the two fractions must add up to at most 1")
+    idx = np.sort(np.random.default_rng(seed + 1).choice(free, size=n, replace=False))
+    out = train.copy()
+    out[idx] = answers[np.arange(n) % len(answers)]
+    return out, idx
 
 
 def load_tokens(tok=None, data: str | os.PathLike | None = None, cache: str | os.PathLike | None = None,

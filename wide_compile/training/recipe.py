@@ -60,6 +60,10 @@ def _parser(recipe: str, smoke: bool) -> argparse.ArgumentParser:
                          "then stage 2 with the masks fixed")
     ap.add_argument("--chat-frac", type=float, default=0.0 if smoke else CHAT_FRAC_GPU,
                     help="share of train blocks laid out as chat-template turns (training/chat.py)")
+    ap.add_argument("--answers", default=None,
+                    help="blocks of the dense model's own chat answers (.npy of `python -m wide_compile.training "
+                         "answers`), mixed into both stages' train blocks")
+    ap.add_argument("--answers-frac", type=float, default=0.25, help="with --answers: the share of train blocks they replace")
     ap.add_argument("--batch-size", type=int, default=None, help="both stages (default: per stage)")
     ap.add_argument("--seq-len", type=int, default=None, help="both stages (default: per stage)")
     ap.add_argument("--s1-only", action="store_true", help="stop after stage 1")
@@ -114,6 +118,7 @@ def run(a: argparse.Namespace, log=print) -> int:
     """The whole recipe for one capacity; returns 0 (done) or PAUSED."""
     t_start = time.time()
     from .data import TokenBlocks
+    from .dense_answers import load_answers
     from .options import (fast_cuda, model_dtype, real_model_and_tokens, smoke_chat_format, smoke_model_and_tokens,
                           training_device)
 
@@ -132,9 +137,15 @@ def run(a: argparse.Namespace, log=print) -> int:
     _apply_baseline(a.baseline, model, c1, c2)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    blocks = TokenBlocks(toks, c1.seq_len, chat=chat, chat_frac=a.chat_frac, seed=c1.seed)
+    def make_blocks(seq_len):
+        ans = load_answers(a.answers, seq_len) if a.answers else None
+        return TokenBlocks(toks, seq_len, chat=chat, chat_frac=a.chat_frac, seed=c1.seed, answers=ans,
+                           answers_frac=a.answers_frac if ans is not None else 0.0)
+
+    blocks = make_blocks(c1.seq_len)
     log(f"recipe {a.recipe} ({a.baseline=}) capacity {a.capacity}: {len(blocks.train)} train blocks x "
-        f"{c1.seq_len} tokens ({len(blocks.chat_rows)} as chat turns), {len(blocks.heldout)} held-out")
+        f"{c1.seq_len} tokens ({len(blocks.chat_rows)} as chat turns, {len(blocks.answer_rows)} dense answers), "
+        f"{len(blocks.heldout)} held-out")
     from ..routing import Routers
 
     s1_dir, s2_dir = out / "stage1", out / "stage2"
@@ -150,8 +161,7 @@ def run(a: argparse.Namespace, log=print) -> int:
             return PAUSED
     if a.s1_only:
         return _finish(a, out, s1_dir, None, model, blocks, c1)
-    b2 = blocks if c2.seq_len == c1.seq_len else TokenBlocks(toks, c2.seq_len, chat=chat, chat_frac=a.chat_frac,
-                                                               seed=c1.seed)
+    b2 = blocks if c2.seq_len == c1.seq_len else make_blocks(c2.seq_len)
     if _done(s2_dir, "lora.safetensors"):
         log("stage 2: finished earlier, skipped")
     else:
@@ -199,7 +209,8 @@ def _finish(a, out: Path, s1_dir: Path, s2_dir: Path | None, model, blocks, c1) 
     shutil.copy(src / "routers.safetensors", out / "routers.safetensors")
     if s2_dir is not None:
         shutil.copy(s2_dir / "lora.safetensors", out / "lora.safetensors")
-    summary = {"recipe": a.recipe, "baseline": a.baseline, "chat_frac": a.chat_frac, "capacity": a.capacity, "capacity_attn": a.capacity_attn,
+    summary = {"recipe": a.recipe, "baseline": a.baseline, "chat_frac": a.chat_frac, "answers": a.answers,
+               "answers_frac": a.answers_frac if a.answers else 0.0, "capacity": a.capacity, "capacity_attn": a.capacity_attn,
                "capacity_ffn": a.capacity_ffn, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else "cpu",
                "processes": env.world_size}

@@ -328,15 +328,12 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
     return merged, routers, state
 
 
-def main(argv=None):
+def parser():
+    """The stage2 command's options (every Stage2Config field is one)."""
     import argparse
-    import time
 
-    from .data import TokenBlocks
-    from .options import (add_config_args, config_from_args, fast_cuda, model_dtype, real_model_and_tokens,
-                          smoke_model_and_tokens, training_device)
+    from .options import add_config_args
 
-    t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage2",
                                  description="Stage 2: LoRA with fixed (or jointly trained) routers. On N GPUs: "
                                              "torchrun --nproc-per-node N -m wide_compile.training stage2 ... "
@@ -353,18 +350,46 @@ def main(argv=None):
     ap.add_argument("--stop-after-steps", type=int, default=None,
                     help="checkpoint and exit (code 75) after this many training steps in this invocation")
     ap.add_argument("--smoke", action="store_true", help="tiny random model and random tokens (CPU check)")
+    ap.add_argument("--chat-frac", type=float, default=0.0,
+                    help="share of train blocks laid out as chat-template turns (training/chat.py)")
+    ap.add_argument("--answers", default=None,
+                    help="blocks of the dense model's own chat answers (.npy of `python -m wide_compile.training "
+                         "answers`), mixed into the train blocks")
+    ap.add_argument("--answers-frac", type=float, default=0.25,
+                    help="with --answers: the share of train blocks they replace")
     add_config_args(ap, Stage2Config)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    import time
+
+    from .chat import ChatFormat
+    from .data import TokenBlocks
+    from .dense_answers import load_answers
+    from .options import (config_from_args, fast_cuda, model_dtype, real_model_and_tokens,
+                          smoke_chat_format, smoke_model_and_tokens, training_device)
+
+    t_start = time.time()
+    a = parser().parse_args(argv)
     cfg = config_from_args(a, Stage2Config, skip=())
     env, device, load_on = training_device(a.device)
     if a.smoke:
         model, toks = smoke_model_and_tokens(load_on)
         cfg.steps, cfg.seq_len, cfg.batch_size, cfg.epochs = min(cfg.steps, 10), 64, 4, 0
+        chat = smoke_chat_format(model) if a.chat_frac > 0 else None
     else:
         fast_cuda()
-        model, toks = real_model_and_tokens(load_on, a.gguf, a.data, a.tokens, dtype=model_dtype(device))
+        model, toks, tok = real_model_and_tokens(load_on, a.gguf, a.data, a.tokens, with_tokenizer=True,
+                                                 dtype=model_dtype(device))
+        chat = ChatFormat.from_tokenizer(tok) if a.chat_frac > 0 else None
     routers = Routers.load(a.routers, model)
-    blocks = TokenBlocks(toks, cfg.seq_len)
+    answers = load_answers(a.answers, cfg.seq_len) if a.answers else None
+    blocks = TokenBlocks(toks, cfg.seq_len, chat=chat, chat_frac=a.chat_frac, seed=cfg.seed, answers=answers,
+                         answers_frac=a.answers_frac if answers is not None else 0.0)
+    if env.is_main:
+        print(f"stage 2: {len(blocks.train)} train blocks x {cfg.seq_len} tokens ({len(blocks.chat_rows)} chat turns, "
+              f"{len(blocks.answer_rows)} dense answers), {len(blocks.heldout)} held-out")
     clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
     merged, r, _ = train_stage2(model, routers, blocks, cfg, out_dir=a.out, clock=clock, stop_after=a.stop_after_steps)
     if merged is None:
