@@ -7,7 +7,8 @@ import torch
 
 import wide_compile as wc
 from wide_compile.eval import eval_main
-from wide_compile.eval.generation import agreement_length, agreement_summary, continuation_nll, greedy_continuations
+from wide_compile.eval.generation import (agreement_length, agreement_summary, continuation_nll, greedy_continuations,
+                                         teacher_forced_summary, top1_along)
 from wide_compile.eval.perplexity import perplexity, sliding_windows
 from wide_compile.eval.positions import bucketize, compare_buckets, position_nll, split_articles
 from wide_compile.eval.zeroshot import compare_tasks, retention_above_chance
@@ -120,6 +121,41 @@ def test_continuation_nll_and_summary():
     assert r["dense_nll_of_dense"] == pytest.approx(sum(s for s, _ in got) / 5, rel=1e-9)
 
 
+def test_top1_along_reproduces_greedy_and_matches_one_forward_per_prefix():
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (4, 11, 6)]
+    conts = greedy_continuations(model, prompts, max_new=7, batch_size=3, pad_id=0, eos_ids=[])
+    top = top1_along(model, prompts, conts, batch_size=2)
+    for p, c, t in zip(prompts, conts, top):
+        assert [x[0] for x in t] == c  # the model's own greedy answer is its argmax along itself
+        for j in range(len(c)):  # each position against a forward of that prefix alone
+            with torch.no_grad():
+                pr = torch.softmax(model(input_ids=torch.tensor([p + c[:j]])).logits[0, -1].double(), -1)
+            a, b = pr.topk(2).values.tolist()
+            assert t[j][1] == pytest.approx(a, rel=1e-5) and t[j][2] == pytest.approx(b, rel=1e-5)
+            assert t[j][1] >= t[j][2]
+
+
+def test_teacher_forced_summary_rates_buckets_and_first_token_split():
+    dense = [[1, 2, 3, 4, 5], [1, 2, 3], [7, 8]]
+    # WIDE's argmax: prompt 0 differs at positions 0 and 4, prompt 1 at position 1, prompt 2 nowhere
+    wide = [[(9, .5, .1), (2, .5, .1), (3, .5, .1), (4, .5, .1), (0, .5, .1)],
+            [(1, .5, .1), (0, .5, .1), (3, .5, .1)], [(7, .5, .1), (8, .5, .1)]]
+    # dense's own margins at the first token: a near tie for prompt 0, clear for 1 and 2
+    dtop = [[(1, .40, .35)] + [(0, .9, .05)] * 4, [(1, .9, .05)] * 3, [(7, .6, .1)] * 2]
+    r = teacher_forced_summary(dense, wide, dtop, agree_at=3)
+    assert r["top1_agreement"] == pytest.approx(7 / 10)
+    assert r["implied_frac_agree_at"] == pytest.approx((2 / 3) * (2 / 3) * 1.0)
+    b = {(x["lo"], x["hi"]): x for x in r["by_position"]}
+    assert b[(0, 1)]["top1_agreement"] == pytest.approx(2 / 3) and b[(0, 1)]["positions"] == 3
+    assert b[(1, 4)]["top1_agreement"] == pytest.approx(5 / 6) and b[(1, 4)]["positions"] == 6
+    assert b[(4, 16)]["top1_agreement"] == 0.0 and b[(16, 64)]["top1_agreement"] is None
+    f = r["first_token"]
+    assert f["agreement"] == pytest.approx(2 / 3) and f["dense_near_tie_prompts"] == 1
+    assert f["agreement_near_tie"] == 0.0 and f["agreement_clear"] == 1.0
+
+
 def test_retention_above_chance():
     assert retention_above_chance(0.55, 0.6, 0.5) == pytest.approx(0.5)
     assert retention_above_chance(0.3, 0.25, 0.25) is None
@@ -167,3 +203,37 @@ def test_committed_prompt_set():
     assert len(rows) >= 100 and len({r["id"] for r in rows}) == len(rows)
     assert all(r["prompt"] and r["source"]["file"] for r in rows)
     assert json.loads(json.dumps(rows)) == rows
+
+
+def test_generation_record_has_teacher_forced_agreement():
+    """run_generation end to end on a tiny model with live routers: exact-prefix agreement and the teacher-forced
+    figures in one record; with every group on, WIDE is dense (agreement everywhere)."""
+    import types
+
+    from wide_compile.eval.quality_metrics import run_generation
+
+    class CharTokenizer:
+        chat_template, pad_token_id, eos_token_id, unk_token_id = None, 0, 1, 2
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [3 + ord(c) % 120 for c in text]}
+
+        def convert_tokens_to_ids(self, token):
+            return self.unk_token_id
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    a = types.SimpleNamespace(prompts="instructions-v1", limit=5, max_new_tokens=6, batch_size=4, agree_at=3)
+    model = _model()
+    for routers, full in ((wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random")), False),
+                          (wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, capacity=1.0)), True)):
+        models = types.SimpleNamespace(dense=model, wide=model, routers=routers, tokenizer=CharTokenizer())
+        res, settings = run_generation(models, a, None)
+        tf = res["teacher_forced"]
+        assert 0.0 <= tf["top1_agreement"] <= 1.0 and len(res["per_prompt"]) == 5
+        assert all(0.0 <= p["tf_top1_agreement"] <= 1.0 and p["dense_first_margin"] >= 0 for p in res["per_prompt"])
+        # a first token that agrees under teacher forcing is exactly a prefix agreement of at least one token
+        assert all(p["tf_first_match"] == (p["agreement"] > 0) for p in res["per_prompt"])
+        if full:
+            assert tf["top1_agreement"] == 1.0 and tf["implied_frac_agree_at"] == 1.0 and res["frac_agree_at"] == 1.0

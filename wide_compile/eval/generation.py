@@ -100,6 +100,63 @@ def continuation_nll(model, prompt_ids: list[list[int]], cont_ids: list[list[int
     return out
 
 
+@torch.no_grad()
+def top1_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
+               batch_size: int = 32) -> list[list[tuple[int, float, float]]]:
+    """Per prompt, per continuation position j: (the model's argmax token, its top-1 and top-2 probabilities)
+    for predicting cont[j] from prompt + cont[:j] (teacher forcing along the given continuation). Batched
+    right-padded without a mask, as continuation_nll."""
+    dev = next(model.parameters()).device
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, cont_ids)]
+    out: list = [None] * len(seqs)
+    for k in range(0, len(seqs), batch_size):
+        idx = list(range(k, min(k + batch_size, len(seqs))))
+        S = max(len(seqs[i]) for i in idx)
+        x = torch.zeros(len(idx), S, dtype=torch.long)
+        for r, i in enumerate(idx):
+            x[r, :len(seqs[i])] = torch.tensor(seqs[i])
+        logits = model(input_ids=x.to(dev)).logits  # [B, S, V]
+        for r, i in enumerate(idx):
+            p, n = len(prompt_ids[i]), len(cont_ids[i])
+            probs = torch.softmax(logits[r, p - 1:p - 1 + n].double(), -1)  # [n, V]: predicts cont[0 .. n-1]
+            top = probs.topk(2, -1)
+            out[i] = [(int(t), float(a), float(b)) for t, (a, b) in
+                      zip(top.indices[:, 0].tolist(), top.values.tolist())]
+    return out
+
+
+TF_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64))
+
+
+def teacher_forced_summary(dense_cont: list[list[int]], wide_top: list, dense_top: list, agree_at: int = 16) -> dict:
+    """How often WIDE's argmax is dense's next token along dense's own greedy answer (teacher forcing), by
+    answer position; `implied_frac_agree_at` is the product of the per-position rates over the first agree_at
+    positions (what exact-prefix agreement would be if positions failed independently). The first position is
+    also split by dense's own top-1 margin there (p1 - p2 < 0.2: a near tie, which any change can flip)."""
+    by_pos: dict[int, list[int]] = {}
+    for d, w in zip(dense_cont, wide_top):
+        for j, (t, (a, _, _)) in enumerate(zip(d, w)):
+            by_pos.setdefault(j, []).append(int(a == t))
+    rate = {j: sum(v) / len(v) for j, v in by_pos.items()}
+    implied = 1.0
+    for j in range(agree_at):
+        implied *= rate.get(j, 1.0)
+    buckets = []
+    for lo, hi in TF_BUCKETS:
+        v = [x for j in range(lo, hi) for x in by_pos.get(j, [])]
+        buckets.append({"lo": lo, "hi": hi, "positions": len(v), "top1_agreement": sum(v) / len(v) if v else None})
+    first = [(w[0][0] == d[0], dt[0][1] - dt[0][2]) for d, w, dt in zip(dense_cont, wide_top, dense_top) if d]
+    tie = [m for m, g in first if g < 0.2]
+    clear = [m for m, g in first if g >= 0.2]
+    allv = [x for v in by_pos.values() for x in v]
+    return {"top1_agreement": sum(allv) / len(allv) if allv else None, "by_position": buckets,
+            "implied_frac_agree_at": implied,
+            "first_token": {"agreement": sum(m for m, _ in first) / len(first) if first else None,
+                            "dense_near_tie_prompts": len(tie),
+                            "agreement_near_tie": sum(tie) / len(tie) if tie else None,
+                            "agreement_clear": sum(clear) / len(clear) if clear else None}}
+
+
 def _mean(pairs: list[tuple[float, int]]) -> float | None:
     n = sum(c for _, c in pairs)
     return sum(s for s, _ in pairs) / n if n else None

@@ -65,7 +65,8 @@ def run_positions(models, a, root):
 
 def run_generation(models, a, root):
     from . import prompts as prompt_sets
-    from .generation import agreement_summary, encode_prompts, greedy_continuations, stop_ids
+    from .generation import (agreement_summary, encode_prompts, greedy_continuations, stop_ids, teacher_forced_summary,
+                             top1_along)
 
     rows = prompt_sets.load(a.prompts)[:a.limit]
     tok = models.tokenizer
@@ -76,10 +77,16 @@ def run_generation(models, a, root):
         dense_cont = greedy_continuations(models.dense, ids, **kw)
     with routed(models.wide, models.routers):
         wide_cont = greedy_continuations(models.wide, ids, **kw)
+        wide_top = top1_along(models.wide, ids, dense_cont, a.batch_size)  # teacher-forced along dense's answer
     with routed(models.dense, None):
         res = agreement_summary(ids, dense_cont, wide_cont, models.dense, a.max_new_tokens, a.agree_at,
                                 a.batch_size)
-    for r, p, dc, wc in zip(res["per_prompt"], rows, dense_cont, wide_cont):
+        dense_top = top1_along(models.dense, ids, dense_cont, a.batch_size)
+    res["teacher_forced"] = teacher_forced_summary(dense_cont, wide_top, dense_top, a.agree_at)
+    for r, p, dc, wc, wt, dt in zip(res["per_prompt"], rows, dense_cont, wide_cont, wide_top, dense_top):
+        r.update({"tf_first_match": bool(dc) and wt[0][0] == dc[0],
+                  "dense_first_margin": dt[0][1] - dt[0][2] if dt else None,
+                  "tf_top1_agreement": sum(w[0] == t for w, t in zip(wt, dc)) / len(dc) if dc else None})
         r.update({"id": p["id"], "source": p["source"], "prompt": p["prompt"],
                   "dense_text": tok.decode(dc, skip_special_tokens=True),
                   "wide_text": tok.decode(wc, skip_special_tokens=True)})
@@ -124,9 +131,12 @@ def summary_line(metric: str, r: dict) -> str:
         parts = [f"[{b['lo']},{b['hi']}) {_f(b['diff'], '+.3f')}" for b in r["buckets"]]
         return f"positions: WIDE - dense NLL by position ({r['passages']} passages): " + ", ".join(parts)
     if metric == "generation":
+        tf = r.get("teacher_forced") or {}
+        tf_part = (f"; teacher-forced along dense's answer: top-1 {_f(tf.get('top1_agreement'), '.1%')}, first token "
+                   f"{_f((tf.get('first_token') or {}).get('agreement'), '.0%')}" if tf else "")
         return (f"generation: {r['prompts']} prompts, mean agreement {_f(r['mean_agreement'], '.1f')} tokens, "
                 f"{_f(r['frac_agree_at'], '.0%')} agree >= {r['agree_at']}; dense NLL of WIDE's text "
-                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})")
+                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})" + tf_part)
     acc = r["acc"]
     parts = [f"{t} {_f(v['retention_above_chance'], '.2f')}" + ("" if v["informative"] else " (uninformative)")
              for t, v in acc["tasks"].items()]
