@@ -95,7 +95,7 @@
 #                          built from the train text (python -m wide_compile.training answers), packed into 512-token
 #                          blocks at /root/wcache/answers.npy; its record comes back as $OUT/answers.json
 #   distill                needs setup + tokens (+ answers): stage 2 continued from the shipped routers + LoRA, routers
-#                          jointly, each of DISTILL_RUNS at once (NAME CAPACITY SHIPPED ARGS...; ARGS after
+#                          jointly, each of DISTILL_RUNS at once (NAME CAPACITY SHIPPED[:fresh] ARGS...; ARGS after
 #                          DISTILL_S2_ARGS), paused before DEADLINE_S (400); then `wide eval quality` (ppl, generation)
 #                          on each finished run, one at a time, and $OUT/distill.tgz (routers, LoRA, curves, quality
 #                          records, logs). Repeat the step to continue paused runs / score the rest
@@ -161,7 +161,8 @@ one_convert_ft() {
 
 # distill: stage 2 continued from a shipped router set and its LoRA on text, chat turns and (where a run's ARGS say
 # so) the dense model's own answers; every run gets the same budget, so a run without --answers is the control.
-# One line per run: NAME CAPACITY SHIPPED-NAME ARGS...
+# One line per run: NAME CAPACITY SHIPPED-NAME[:fresh] ARGS... (:fresh: the shipped routers with a new LoRA, its
+# rank from ARGS, instead of the shipped LoRA)
 DISTILL_RUNS=${DISTILL_RUNS:-"d70 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.35 --chat-frac 0.15; \
 d70a 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.6 --chat-frac 0.1; \
 t70 0.7 smollm2-135m-c70 --chat-frac 0.25"}
@@ -169,9 +170,11 @@ DISTILL_S2_ARGS=${DISTILL_S2_ARGS:---joint true --lr 2e-4 --router-lr 2e-4 --sep
   --tau-end 1.0 --noise-off-frac 1.0 --epochs 0.2 --batch-size 16 --eval-every 40 --patience 4 --amp true}
 
 one_distill() {
-  local name=$1 cap=$2 shipped=wide_compile/pretrained/$3; shift 3
+  local name=$1 cap=$2 spec=$3 shipped init=(); shift 3
+  shipped=wide_compile/pretrained/${spec%:fresh}
+  [ "$spec" = "${spec%:fresh}" ] && init=(--init-lora "$shipped.lora.safetensors")
   # shellcheck disable=SC2086
-  python3 -m wide_compile.training stage2 --routers "$shipped.safetensors" --init-lora "$shipped.lora.safetensors" \
+  python3 -m wide_compile.training stage2 --routers "$shipped.safetensors" "${init[@]}" \
     --out "$C/runs/$name" --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-400}" \
     --capacity "$cap" $DISTILL_S2_ARGS "$@" >> "$OUT/distill-$name.log" 2>&1
   local rc=$?; grep -v "^\s*$" "$OUT/distill-$name.log" | tail -4 | sed "s/^/[$name] /"; return $rc
