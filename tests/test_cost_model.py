@@ -224,3 +224,21 @@ def test_phase_overrides_of_the_table_win_and_are_recorded():
     base = BASE.with_overrides(decode={"path": "dense"})
     table, d = cm.plan("mlp", cm.Shape(1, 4096, 14336, 128), base, DEVICE, cm.MaskStats(0.5))
     assert d.path == "dense_masked" and table.overrides == base.overrides
+
+
+def test_device_cost_reads_the_current_gpus_file(monkeypatch):
+    """device_cost("cuda") looks up the GPU that "cuda" means now (torch.cuda.current_device()), the same lookup as
+    the kernel tuning tables; another device type, or no device, reads default.json."""
+    import torch
+
+    from wide_compile.passes import cost_model as cm
+
+    names = {0: "NVIDIA A10", 1: "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: names[1 if i is None else i])
+    h200, default = cm._load("NVIDIA_H200"), cm._load("default")
+    assert h200 != default
+    assert cm.device_cost("cuda") == h200 and cm.device_cost("cuda:1") == h200
+    assert cm.device_cost("cuda:0") == default  # no cost file for that card
+    assert cm.device_cost("cpu") == default and cm.device_cost(None) == default

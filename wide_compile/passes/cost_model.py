@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from ..kernels.tuning import CONFIG_DIR, DECODE_T, KernelTuning, device_key
+from ..kernels.tuning import CONFIG_DIR, DECODE_T, KernelTuning, cuda_device_key
 
 COST_DIR = CONFIG_DIR / "cost"
 KINDS = ("gemm", "gather", "kskip", "pointwise", "reorder")
@@ -91,13 +91,9 @@ def _load(key: str) -> DeviceCost:
 
 def device_cost(device=None) -> DeviceCost:
     """The cost data of a CUDA device (configs/cost/<GPU name>.json, else default.json); default.json elsewhere."""
-    import torch
-
-    dev = torch.device(device) if device is not None else None
-    if torch.cuda.is_available() and dev is not None and dev.type == "cuda":
-        key = device_key(torch.cuda.get_device_name(dev.index if dev.index is not None else 0))
-        if (COST_DIR / f"{key}.json").exists():
-            return _load(key)
+    key = cuda_device_key(device) if device is not None else None  # "cuda" without an index: the current GPU
+    if key is not None and (COST_DIR / f"{key}.json").exists():
+        return _load(key)
     return _load("default")
 
 
