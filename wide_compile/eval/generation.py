@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .perplexity import token_nll
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -77,38 +76,12 @@ def agreement_length(a: list[int], b: list[int], cap: int = 64) -> int:
     return n
 
 
-@torch.no_grad()
-def continuation_nll(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
-                     batch_size: int = 32) -> list[tuple[float, int]]:
-    """(summed NLL, tokens) of each continuation given its prompt under `model`, float64 sums.
-
-    Batched right-padded with no attention mask: the model is causal, so later pad positions cannot
-    change the scores of the real ones."""
+def _teacher_forced(model, prompt_ids: list[list[int]], cont_ids: list[list[int]], batch_size: int):
+    """Yields (prompt index, logits [n, V] predicting cont[0 .. n-1], x [S] the row's ids) for every prompt: one
+    forward per batch of prompt + continuation rows, right-padded with no attention mask (the model is causal,
+    so later pad positions cannot change the real ones)."""
     dev = next(model.parameters()).device
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, cont_ids)]
-    out: list = [None] * len(seqs)
-    for k in range(0, len(seqs), batch_size):
-        idx = list(range(k, min(k + batch_size, len(seqs))))
-        S = max(len(seqs[i]) for i in idx)
-        x = torch.zeros(len(idx), S, dtype=torch.long)
-        for r, i in enumerate(idx):
-            x[r, :len(seqs[i])] = torch.tensor(seqs[i])
-        nll = token_nll(model(input_ids=x.to(dev)).logits, x.to(dev)).double().cpu()  # [B, S-1]
-        for r, i in enumerate(idx):
-            p, n = len(prompt_ids[i]), len(cont_ids[i])
-            out[i] = (float(nll[r, p - 1:p - 1 + n].sum()), n)
-    return out
-
-
-@torch.no_grad()
-def top1_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
-               batch_size: int = 32) -> list[list[tuple[int, float, float]]]:
-    """Per prompt, per continuation position j: (the model's argmax token, its top-1 and top-2 probabilities)
-    for predicting cont[j] from prompt + cont[:j] (teacher forcing along the given continuation). Batched
-    right-padded without a mask, as continuation_nll."""
-    dev = next(model.parameters()).device
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, cont_ids)]
-    out: list = [None] * len(seqs)
     for k in range(0, len(seqs), batch_size):
         idx = list(range(k, min(k + batch_size, len(seqs))))
         S = max(len(seqs[i]) for i in idx)
@@ -118,10 +91,30 @@ def top1_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
         logits = model(input_ids=x.to(dev)).logits  # [B, S, V]
         for r, i in enumerate(idx):
             p, n = len(prompt_ids[i]), len(cont_ids[i])
-            probs = torch.softmax(logits[r, p - 1:p - 1 + n].double(), -1)  # [n, V]: predicts cont[0 .. n-1]
-            top = probs.topk(2, -1)
-            out[i] = [(int(t), float(a), float(b)) for t, (a, b) in
-                      zip(top.indices[:, 0].tolist(), top.values.tolist())]
+            yield i, logits[r, p - 1:p - 1 + n], x[r, p:p + n]
+
+
+@torch.no_grad()
+def continuation_nll(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
+                     batch_size: int = 32) -> list[tuple[float, int]]:
+    """(summed NLL, tokens) of each continuation given its prompt under `model`, float64 sums (one teacher-forced
+    forward per batch, see _teacher_forced)."""
+    out: list = [None] * len(prompt_ids)
+    for i, lg, tgt in _teacher_forced(model, prompt_ids, cont_ids, batch_size):
+        lp = torch.log_softmax(lg if lg.dtype == torch.float64 else lg.float(), -1).double().cpu()  # [n, V]
+        out[i] = (float(-lp.gather(-1, tgt[:, None]).sum()), len(tgt))
+    return out
+
+
+@torch.no_grad()
+def top1_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
+               batch_size: int = 32) -> list[list[tuple[int, float, float]]]:
+    """Per prompt, per continuation position j: (the model's argmax token, its top-1 and top-2 probabilities)
+    for predicting cont[j] from prompt + cont[:j] (teacher forcing along the given continuation)."""
+    out: list = [None] * len(prompt_ids)
+    for i, lg, _ in _teacher_forced(model, prompt_ids, cont_ids, batch_size):
+        top = torch.softmax(lg.double(), -1).topk(2, -1)  # lg: [n, V]
+        out[i] = [(int(t), float(a), float(b)) for t, (a, b) in zip(top.indices[:, 0].tolist(), top.values.tolist())]
     return out
 
 
