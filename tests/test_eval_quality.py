@@ -124,9 +124,9 @@ def test_continuation_nll_and_summary():
 def test_top1_along_reproduces_greedy_and_matches_one_forward_per_prefix():
     model = _model()
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (4, 11, 6)]
-    conts = greedy_continuations(model, prompts, max_new=7, batch_size=3, pad_id=0, eos_ids=[])
-    top = top1_along(model, prompts, conts, batch_size=2)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (4, 9)]
+    conts = greedy_continuations(model, prompts, max_new=4, batch_size=2, pad_id=0, eos_ids=[])
+    top = top1_along(model, prompts, conts, batch_size=1)
     for p, c, t in zip(prompts, conts, top):
         assert [x[0] for x in t] == c  # the model's own greedy answer is its argmax along itself
         for j in range(len(c)):  # each position against a forward of that prefix alone
@@ -205,7 +205,7 @@ def test_committed_prompt_set():
     assert json.loads(json.dumps(rows)) == rows
 
 
-def test_generation_record_has_teacher_forced_agreement():
+def test_generation_record_has_teacher_forced_agreement(tmp_path):
     """run_generation end to end on a tiny model with live routers: exact-prefix agreement and the teacher-forced
     figures in one record; with every group on, WIDE is dense (agreement everywhere)."""
     import types
@@ -224,7 +224,10 @@ def test_generation_record_has_teacher_forced_agreement():
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))
 
-    a = types.SimpleNamespace(prompts="instructions-v1", limit=5, max_new_tokens=6, batch_size=4, agree_at=3)
+    prompts = tmp_path / "short.jsonl"  # short prompts: the character tokenizer makes one id per character
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t, "source": {"file": "-", "item": i}}) + "\n"
+                               for i, t in enumerate(["Why is the sky blue?", "Name a tree.", "2 + 2 =", "Hi", "Go on"])))
+    a = types.SimpleNamespace(prompts=str(prompts), limit=5, max_new_tokens=6, batch_size=4, agree_at=3)
     model = _model()
     for routers, full in ((wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random")), False),
                           (wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, capacity=1.0)), True)):
