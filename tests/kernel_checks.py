@@ -3,6 +3,9 @@ GPU with TRITON_INTERPRET=0), the buffer poisoning that makes an unwritten eleme
 
     from kernel_checks import DEV, INTERPRET, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
     pytestmark = [needs_device, pytest.mark.usefixtures("poison_buffers")]
+
+The interpreter runs a kernel a thousand times slower than a GPU, so a test over many axes takes `covering`'s cases:
+every pair of the two main axes (the shapes and the mask kinds, say), each with one value of the third in turn.
 """
 import importlib
 import os
@@ -26,6 +29,23 @@ def poison_buffers():
     reorder.POISON = True
     yield
     reorder.POISON = False
+
+
+def covering(rows, cols, turns):
+    """Parameter tuples over rows x cols x turns (each item a value or a tuple of values). Compiled on a GPU: the
+    full product. Under the interpreter: every (row, col) pair once, with turns[(i + j) % len(turns)] for row i and
+    col j, so every row and every col still meets every turn (each pair of the three axes is covered; only the
+    three-way combinations are thinned out)."""
+    tup = lambda v: v if isinstance(v, tuple) else (v,)  # noqa: E731
+    if not INTERPRET:
+        return [tup(r) + tup(c) + tup(t) for r in rows for c in cols for t in turns]
+    assert len(rows) >= len(turns) and len(cols) >= len(turns), "too few rows / cols to meet every turn"
+    return [tup(r) + tup(c) + tup(turns[(i + j) % len(turns)]) for i, r in enumerate(rows) for j, c in enumerate(cols)]
+
+
+def case_id(v):
+    """pytest ids for covering's cases: float32 / bfloat16 rather than dtype0, dtype1, ..."""
+    return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None
 
 
 def rel(out, ref):

@@ -68,7 +68,9 @@ def test_structured_masks_run_on_bucket_ops(tmp_path):
     import bench_e2e
 
     data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--phases", "prefill", "--capacities", "0.5",
+                           "--prefill-batch", "1",  # one Inductor compile per structure (batch 2: test_replay_check)
                            "--masks", "codebook4", "nested3", "--variants", "inductor", "wide", "--no-plot"])
+    assert len(data["records"]) == 2
     recs = {r["masks"]: r for r in data["records"]}
     assert set(recs) == {"codebook4", "nested3"}
     for r in recs.values():

@@ -7,6 +7,9 @@ rounded inputs; bf16 <= 2e-2 against both the reference that rounds h to bf16 as
 float64 one. Rows of tokens whose prototype is all-off must be exactly 0. Every buffer the kernels must write
 (the lists, h, the output) is NaN/garbage-poisoned first (reorder.POISON), so an unwritten element, or a read
 of an unwritten h element, fails.
+
+The T x mode x prototypes x dtype matrices run in full on a GPU; under the interpreter every (T, mode) pair runs,
+each with one (prototypes, dtype) combination in turn (kernel_checks.covering).
 """
 import os
 import subprocess
@@ -15,7 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEV, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
+from kernel_checks import DEV, case_id, covering, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
 
 import wide_compile.kernels  # noqa: F401  (registers torch.ops.wide.mlp_bucket)
 from wide_compile.kernels import bucket_attn as BAT
@@ -187,10 +190,11 @@ def test_lists_out_of_range_ids_form_their_own_bucket():
 
 # ----------------------------------------------------------------------------- the MLP
 
-@pytest.mark.parametrize("mode", ["default", "other", "few", "union_blocks"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
-@pytest.mark.parametrize("T", [1, 3, 17, 70])
+MODES = ["default", "other", "few", "union_blocks"]
+PROTOS_DTYPES = [(k, d) for k in ("mixed", "nested") for d in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("T,mode,protos_kind,dtype", covering([1, 3, 17, 70], MODES, PROTOS_DTYPES), ids=case_id)
 def test_mlp_bucket(T, protos_kind, dtype, mode):
     """Bucket lists and the union block (mode_config), each on both sides of the default switch."""
     run_case(T, D=27, G=5, gs=16, P=4, dtype=dtype, protos_kind=protos_kind, config=mode_config(T, mode), seed=T)
@@ -424,10 +428,7 @@ def proj_case(T, D, G, cols, P, dtype, bias, protos_kind="mixed", seed=0):
     return [None if t is None else t.to(DEV) for t in (x, wq, bq, a, wo, bo, bucket, protos)]
 
 
-@pytest.mark.parametrize("mode", ["default", "other", "few", "union_blocks"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("protos_kind", ["mixed", "nested"])
-@pytest.mark.parametrize("T", [1, 3, 17, 70])
+@pytest.mark.parametrize("T,mode,protos_kind,dtype", covering([1, 3, 17, 70], MODES, PROTOS_DTYPES), ids=case_id)
 def test_attention_projections(T, protos_kind, dtype, mode):
     """q_proj / o_proj with bucketed head-group masks against the float64 references (wide.q_proj / wide.o_proj
     with mask = protos[bucket]); inactive q columns exactly 0; inactive a columns (NaN here) never read."""

@@ -4,7 +4,10 @@ runs never execute because the CPU dispatches to the references, e.g. `aten.view
 ("torch.bool is not supported by torch.iinfo").
 
 The kernels must be compiled-mode Triton functions (not the interpreter's), so the checks run in a
-subprocess without TRITON_INTERPRET (the test session sets it for the other kernel tests)."""
+subprocess without TRITON_INTERPRET (the test session sets it for the other kernel tests): one subprocess for the
+module (its start, importing torch and the kernels, is most of a check's time), each test reading its own check's
+result."""
+import json
 import os
 import subprocess
 import sys
@@ -19,11 +22,32 @@ from wide_compile.kernels.compact_mlp import default_config, mlp_triton
 from wide_compile.kernels.reorder import mask_reorder_triton
 
 
-def _run_isolated(test_name: str, *params):
+CHECKS = [("check_mlp_body", (T,)) for T in (3, 8, 130)] + [("check_one_token_gemv_bodies", ())] + [
+    ("check_attention_projection_bodies", (T,)) for T in (3, 8, 130)] + [("check_mask_reorder_body", ())]
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    """{(check, params): None, or the traceback of its failure}: every check of CHECKS run in one subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import {__name__.rsplit('.', 1)[-1]} as t; t.{test_name}(*{params!r})"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code = (f"import json, sys, traceback; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import {__name__.rsplit('.', 1)[-1]} as t\n"
+            f"res = []\n"
+            f"for name, params in {CHECKS!r}:\n"
+            f"    try:\n"
+            f"        getattr(t, name)(*params); res.append(None)\n"
+            f"    except BaseException:\n"
+            f"        res.append(traceback.format_exc()[-3000:])\n"
+            f"print('RESULTS ' + json.dumps(res))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    return dict(zip(CHECKS, json.loads(lines[-1][len("RESULTS "):])))
+
+
+def _run_isolated(results, test_name: str, *params):
+    err = results[(test_name, params)]
+    assert err is None, err
 
 
 def _trace(fn, *shapes_dtypes):
@@ -60,8 +84,8 @@ def _mms(gm):
 
 # gather-GEMV decode path, dense small-batch path, prefill path (rows of the tuning table)
 @pytest.mark.parametrize("T", [3, 8, 130])
-def test_mlp_body(T):
-    _run_isolated("check_mlp_body", T)
+def test_mlp_body(T, isolated):
+    _run_isolated(isolated, "check_mlp_body", T)
 
 
 def check_mlp_body(T):
@@ -74,8 +98,8 @@ def check_mlp_body(T):
         assert _kernel_launches(gm) >= 2
 
 
-def test_one_token_gemv_bodies():
-    _run_isolated("check_one_token_gemv_bodies")
+def test_one_token_gemv_bodies(isolated):
+    _run_isolated(isolated, "check_one_token_gemv_bodies")
 
 
 def check_one_token_gemv_bodies():
@@ -93,8 +117,8 @@ def check_one_token_gemv_bodies():
 
 
 @pytest.mark.parametrize("T", [3, 8, 130])
-def test_attention_projection_bodies(T):
-    _run_isolated("check_attention_projection_bodies", T)
+def test_attention_projection_bodies(T, isolated):
+    _run_isolated(isolated, "check_attention_projection_bodies", T)
 
 
 def check_attention_projection_bodies(T):
@@ -111,8 +135,8 @@ def check_attention_projection_bodies(T):
         assert _kernel_launches(go) >= 1
 
 
-def test_mask_reorder_body():
-    _run_isolated("check_mask_reorder_body")
+def test_mask_reorder_body(isolated):
+    _run_isolated(isolated, "check_mask_reorder_body")
 
 
 def check_mask_reorder_body():

@@ -7,11 +7,15 @@ inputs; bf16 <= 2e-2 against it and <= 1e-2 against the reference.py function (w
 An all-off mask gives exact zeros (o_proj: its bias), q_proj exact zeros on inactive groups' columns, a prototype
 id outside [0, P) a NaN row. Every buffer the kernels must write (h, the group list, the split partials, the
 output) is NaN/garbage-poisoned first (reorder.POISON).
+
+The oracle matrices (shape x mask kind x dtype x layout / bias) run in full on a GPU; under the interpreter every
+shape meets every mask kind, and each (shape, kind) case takes one dtype / layout / bias combination in turn, so
+each shape and each mask kind still meets each of them (kernel_checks.covering).
 """
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEV, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
+from kernel_checks import DEV, case_id, covering, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
 
 import wide_compile.kernels  # noqa: F401  (registers torch.ops.wide.*)
 from wide_compile.kernels import bucket_mlp as BK
@@ -73,12 +77,13 @@ def check(out, x, wg, wu, wd, mask_row, gs, act="silu"):
 
 
 SHAPES = [(40, 6, 16), (33, 3, 24), (64, 4, 32), (17, 7, 8), (100, 5, 12)]   # (D, G, group size): odd sizes too
+KINDS = ["random", "on", "off", "one", "first"]
+LAYOUTS = ["k_contiguous", "d_contiguous"]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["random", "on", "off", "one", "first"])
-@pytest.mark.parametrize("D,G,gs", SHAPES)
+@pytest.mark.parametrize("D,G,gs,kind,dtype,layout",
+                         covering(SHAPES, KINDS, [(d, lay) for d in DTYPES for lay in LAYOUTS]), ids=case_id)
 def test_gemv_matches_oracle(D, G, gs, kind, dtype, layout):
     gen = torch.Generator().manual_seed(D * 31 + G)
     x, wg, wu, wd = make_weights(D, G, gs, dtype, gen)
@@ -89,9 +94,7 @@ def test_gemv_matches_oracle(D, G, gs, kind, dtype, layout):
     check(out, x, wg, wu, wd, mask[0], gs)
 
 
-@pytest.mark.parametrize("layout", ["k_contiguous", "d_contiguous"])
-@pytest.mark.parametrize("kind", ["random", "on", "off", "one", "first"])
-@pytest.mark.parametrize("D,G,gs", SHAPES)
+@pytest.mark.parametrize("D,G,gs,kind,layout", covering(SHAPES, KINDS, LAYOUTS))
 def test_gemv_without_prefetch(D, G, gs, kind, layout):
     """The loops that load each tile in its own iteration (gu_prefetch = gd_prefetch = 0; the interpreter's
     default is the prefetching form, which the other tests run)."""
@@ -298,10 +301,9 @@ def check_o(out, a, w_o, b_o, mask_row, gs):
 PROJ_SHAPES = [(40, 4, 16), (33, 3, 24), (24, 5, 12), (64, 2, 32)]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["random", "on", "off", "one", "first"])
-@pytest.mark.parametrize("D,G,gs", PROJ_SHAPES)
+@pytest.mark.parametrize("D,G,gs,kind,dtype,bias",
+                         covering(PROJ_SHAPES, KINDS, [(d, b) for d in DTYPES for b in (False, True)]),
+                         ids=case_id)
 def test_projections_match_oracle(D, G, gs, kind, dtype, bias):
     gen = torch.Generator().manual_seed(D + 7 * G)
     x, w_q, b_q, a, w_o, b_o = make_proj(D, G, gs, dtype, gen, bias)

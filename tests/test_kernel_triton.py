@@ -6,12 +6,15 @@ Tolerances (relative L2 error against a float64 reference computed from the same
 fp32 <= 1e-4 (interpreter dots are exact fp32; on GPU fp32 uses ieee dots), bf16 <= 2e-2.
 Every buffer a kernel must write is NaN/garbage-poisoned first (mask_reorder.POISON), including
 the MLP intermediate h, so an unwritten output or a read of an unwritten h element fails.
+
+The larger matrices (T x density x dtype, T x group size x path, ...) run in full on a GPU; under the interpreter
+every pair of their two main axes runs, each with one value of the third in turn (kernel_checks.covering).
 """
 import importlib
 
 import pytest
 import torch
-from kernel_checks import DEV, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
+from kernel_checks import DEV, case_id, covering, needs_device, poison_buffers, rel  # noqa: F401 (the fixture)
 
 from wide_compile.kernels import reference as R
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton
@@ -29,6 +32,7 @@ def on_dev(*ts):
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DENSITIES = [0.0, "one", 0.3, 0.5, 0.9, 1.0]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 def make_mask(T, G, density, gen):
@@ -67,25 +71,23 @@ def mlp_case(T, D, G, gs, density, dtype, config, seed=0, act="silu"):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("T", [1, 3, 4, 16, 17, 130])  # 4 and 16: the default small-batch path is "dense"
+# T 4 and 16: the default small-batch path is "dense"
+@pytest.mark.parametrize("T,density,dtype", covering([1, 3, 4, 16, 17, 130], DENSITIES, DTYPES), ids=case_id)
 def test_mlp_default_path(T, density, dtype):
     mlp_case(T, D=48, G=4, gs=32, density=density, dtype=dtype, config=None)
 
 
-@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down", "dense"])
-@pytest.mark.parametrize("gs", [16, 64, 24])
-@pytest.mark.parametrize("T", [1, 17, 130])
+@pytest.mark.parametrize("path,gs,T", covering(["decode", "tile", "sorted", "sorted+dense_down", "dense"],
+                                              [16, 64, 24], [1, 17, 130]))
 def test_mlp_paths_group_sizes(T, gs, path):
     G = max(2, 128 // gs)
     cfg = {"path": "sorted", "down": "dense"} if path == "sorted+dense_down" else {"path": path}
     mlp_case(T, D=40, G=G, gs=gs, density=0.5, dtype=torch.float32, config=cfg, seed=T + gs)
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
-@pytest.mark.parametrize("path", ["decode", "tile", "sorted", "sorted+dense_down", "dense"])
-@pytest.mark.parametrize("dtype,T", [(torch.float32, 3), (torch.float32, 37), (torch.bfloat16, 37)])
+@pytest.mark.parametrize("path,dtype,T,act", covering(
+    ["decode", "tile", "sorted", "sorted+dense_down", "dense"],
+    [(torch.float32, 3), (torch.float32, 37), (torch.bfloat16, 37)], ["gelu", "gelu_tanh"]), ids=case_id)
 def test_mlp_geglu_activations(T, dtype, path, act):
     """GeGLU (Gemma): the gate activation is a parameter of every path, checked against the float64 reference
     (whose gelu is torch's, an independent implementation of the kernels' erf / tanh formulas)."""
@@ -112,9 +114,8 @@ def test_mlp_configs_odd_sizes(cfg):
     mlp_case(T=37, D=27, G=3, gs=48, density=0.5, dtype=torch.float32, config=cfg)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("T,path", [(1, "decode"), (3, "decode"), (16, "decode"), (17, "tile"), (130, "tile")])
+@pytest.mark.parametrize("T,path,density,dtype", covering(
+    [(1, "decode"), (3, "decode"), (16, "decode"), (17, "tile"), (130, "tile")], DENSITIES, DTYPES), ids=case_id)
 def test_mlp_without_reorder_lists(T, path, density, dtype):
     # lists="none": the kernels read the mask themselves (no tile-list launch); inactive groups exit or
     # are predicated off, so the result must equal the reference for every density, all-off included
@@ -167,9 +168,7 @@ def attn_case(T, D, G, cols, density, dtype, bias, config=None, seed=0):
     check(o2, R.o_proj_ref(a.to(d), wo.to(d), None if bo is None else bo.to(d), m, cols), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("T", [1, 3, 4, 16, 17, 130])
+@pytest.mark.parametrize("T,density,dtype", covering([1, 3, 4, 16, 17, 130], DENSITIES, DTYPES), ids=case_id)
 def test_attn_proj(T, density, dtype):
     attn_case(T, D=40, G=4, cols=32, density=density, dtype=dtype, bias=(T % 2 == 1), seed=T)
 
@@ -189,9 +188,8 @@ def test_attn_paths_cols(cols, path):
               config=cfg, seed=cols)
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 16, 64])
-@pytest.mark.parametrize("density", DENSITIES)
-@pytest.mark.parametrize("T,G", [(1, 5), (3, 7), (17, 12), (130, 24)])
+@pytest.mark.parametrize("T,G,density,block_m", covering([(1, 5), (3, 7), (17, 12), (130, 24)], DENSITIES,
+                                                        [1, 4, 16, 64]))
 def test_mask_reorder_triton(T, G, density, block_m):
     gen = torch.Generator().manual_seed(T * 7 + G)
     (m,) = on_dev(make_mask(T, G, density, gen))
