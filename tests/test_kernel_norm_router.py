@@ -40,13 +40,13 @@ def router(kind, D, G, R, gen, bias_shift=0.0):
     return w1, b1, w2, b2
 
 
-def check(T, D, G, R, kind, router_input, dtype, seed=0, bias_shift=0.0):
+def check(T, D, G, R, kind, router_input, dtype, seed=0, bias_shift=0.0, **launch):
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(T, D, generator=gen) * 3).to(dtype)
     w_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
     ts = router(kind, D, G, R, gen, bias_shift)
     dev = [None if t is None else t.to(DEV) for t in (x, w_norm, *ts)]
-    y, mask = NR.rmsnorm_router_triton(dev[0], dev[1], 1e-5, router_input, kind, *dev[2:])
+    y, mask = NR.rmsnorm_router_triton(dev[0], dev[1], 1e-5, router_input, kind, *dev[2:], **launch)
     assert y.dtype == dtype and y.shape == (T, D) and mask.dtype == torch.bool and mask.shape == (T, G)
     y, mask = y.cpu(), mask.cpu()
     y_ref = NR.rmsnorm_ref(x.double(), w_norm.double(), 1e-5) if dtype == torch.float32 else \
@@ -71,6 +71,23 @@ def test_fp32_odd_width(kind, router_input, T):
 @pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
 def test_bf16(kind, router_input):
     check(9, 72, 12, 8, kind, router_input, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", NR.KINDS)
+@pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
+@pytest.mark.parametrize("T,D,split", [(1, 37, 3), (2, 100, 4), (5, 64, 2), (3, 40, 7)])
+def test_width_split_over_programs(kind, router_input, T, D, split):
+    """The two-launch form (each row's width over `split` programs, 16-column tiles, their partial sums added by
+    the finish kernel): odd widths, a last program with a short slice, more programs asked than tiles."""
+    check(T, D, 6, 5, kind, router_input, torch.float32, seed=D + split, split=split, block_d=16)
+
+
+def test_large_routers_split_small_ones_do_not():
+    assert NR.num_splits(1, 4096, 112, 64) == (64, 64)        # 8B FFN, linear: 1.8 MB of w1 over 64 programs
+    assert NR.num_splits(1, 576, 32, 256)[0] == 3              # SmolLM2 pair router: 74 KB, split too
+    assert NR.num_splits(1, 37, 5, 64) == (1, 64)               # a tiny router: one program per row
+    assert NR.num_splits(300, 4096, 112, 64)[0] == 1            # prefill: the rows fill the GPU
+    assert NR.num_splits(1, 100, 5, 16, split=4) == (4, 32)    # 7 tiles over 4 programs: 2, 2, 2, 1
 
 
 @pytest.mark.parametrize("kind", NR.KINDS)
@@ -107,6 +124,7 @@ def test_bad_router_is_one_clear_error():
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_8b_rows(kind, G, T):
     check(T, 4096, G, 32, kind, "normed" if kind == "linear" else "residual", torch.bfloat16, seed=T)
+    assert NR.num_splits(T, 4096, 32 if kind != "linear" else G, 64)[0] > 1  # the two-launch form ran
 
 
 @pytest.mark.parametrize("kind", NR.KINDS)

@@ -13,8 +13,11 @@ mask differs from it only where a logit lies within fp32 summation-order roundin
 compiled fp32 GEMM has. Routers in another dtype, codebook / nested / constant / replay routers and split-bf16
 routers do not fuse (passes/fuse_norm_router.py leaves them).
 
-One program per token row: decode rows (the case this exists for) are one program each; the row is read
-twice from L1/L2 (the statistic, then the normalized output and the router sums), once from memory.
+A small router runs one program per token row (the row read twice from L1/L2: the statistic, then the
+normalized output and the router sums; once from memory). A large one (num_splits) splits the width over S
+programs per row, each computing the whole row's statistic and its columns' y and first-layer sums, and a
+second launch adds the S partial sums and finishes the router: at decode one program would leave the GPU idle
+while it reads the router's weights.
 """
 from __future__ import annotations
 
@@ -62,42 +65,9 @@ def rmsnorm_router_ref(x, w_norm, eps: float, router_input: str, kind: str, w1, 
 # ----------------------------------------------------------------------------- Triton
 
 @triton.jit
-def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-                           D, stride_x, stride_y, eps,
-                           R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
-                           BD: tl.constexpr, KIND: tl.constexpr, RESIDUAL: tl.constexpr,
-                           HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
-    # Inductor types a Python float argument of a user kernel as fp64: the statistic stays fp32 as in HF
-    eps = tl.cast(eps, tl.float32)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BD)
-    # pass 1: the row's mean square, in fp32
-    ss = tl.zeros([BD], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + offs
-        xv = tl.load(x_ptr + row * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
-        ss += xv * xv
-    rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
-    # pass 2: y, and the router's first layer over h (y or x): acc [RP] = w1 @ h
-    r = tl.arange(0, RP)
-    rv = r < R
-    acc = tl.zeros([RP], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + offs
-        dv = d < D
-        xin = tl.load(x_ptr + row * stride_x + d, mask=dv, other=0.0)
-        xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
-        nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
-        y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * stride_y + d, y, mask=dv)
-        if RESIDUAL:
-            h = xin.to(tl.float32)
-        else:
-            h = y.to(tl.float32)
-        w = tl.load(w1_ptr + r[:, None] * D + d[None, :], mask=rv[:, None] & dv[None, :], other=0.0)
-        acc += tl.sum(w * h[None, :], axis=1)
-    if HAS_B1:
-        acc += tl.load(b1_ptr + r, mask=rv, other=0.0)
+def _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                     KIND: tl.constexpr, HAS_B2: tl.constexpr):
+    # acc [RP]: the router's first layer (bias included) -> logits [GP]
     g = tl.arange(0, GP)
     gv = g < G
     if KIND == 0:  # linear: R == G, the first layer's output is the logits
@@ -117,7 +87,75 @@ def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, 
             z_skip += tl.load(b2_ptr + 2 * g, mask=gv, other=0.0)
             z_exec += tl.load(b2_ptr + 2 * g + 1, mask=gv, other=0.0)
         logit = z_exec - z_skip
-    tl.store(m_ptr + row * G + g, logit > 0, mask=gv)
+    return logit
+
+
+@triton.jit
+def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, part_ptr,
+                           D, split_d, stride_x, stride_y, eps,
+                           R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
+                           BD: tl.constexpr, S: tl.constexpr, KIND: tl.constexpr, RESIDUAL: tl.constexpr,
+                           HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+    # program (row, s): the norm and the router's first layer over columns [s * split_d, (s + 1) * split_d)
+    # Inductor types a Python float argument of a user kernel as fp64: the statistic stays fp32 as in HF
+    eps = tl.cast(eps, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = tl.arange(0, BD)
+    # pass 1: the whole row's mean square, in fp32 (each of the S programs reads the row: it stays in L2)
+    ss = tl.zeros([BD], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + offs
+        xv = tl.load(x_ptr + row * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+        ss += xv * xv
+    rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+    # pass 2: y over this program's columns, and the router's first layer over h (y or x): acc [RP] = w1 @ h
+    r = tl.arange(0, RP)
+    rv = r < R
+    acc = tl.zeros([RP], dtype=tl.float32)
+    lo = s * split_d
+    hi = tl.minimum(lo + split_d, D)
+    for d0 in range(lo, hi, BD):
+        d = d0 + offs
+        dv = d < hi
+        xin = tl.load(x_ptr + row * stride_x + d, mask=dv, other=0.0)
+        xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
+        nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
+        y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + d, y, mask=dv)
+        if RESIDUAL:
+            h = xin.to(tl.float32)
+        else:
+            h = y.to(tl.float32)
+        w = tl.load(w1_ptr + r[:, None] * D + d[None, :], mask=rv[:, None] & dv[None, :], other=0.0)
+        acc += tl.sum(w * h[None, :], axis=1)
+    if S == 1:  # the whole row in one program: the logits and the mask here
+        if HAS_B1:
+            acc += tl.load(b1_ptr + r, mask=rv, other=0.0)
+        logit = _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R, G, GP, KIND, HAS_B2)
+        g = tl.arange(0, GP)
+        tl.store(m_ptr + row * G + g, logit > 0, mask=g < G)
+    else:  # partial sums [T, S, RP] for _router_finish_kernel
+        tl.store(part_ptr + (row * S + s) * RP + r, acc)
+
+
+@triton.jit
+def _router_finish_kernel(part_ptr, m_ptr, b1_ptr, w2_ptr, b2_ptr,
+                          R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
+                          S: tl.constexpr, SP: tl.constexpr, KIND: tl.constexpr,
+                          HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+    # program (row,): the S partial first-layer sums, then the logits and the mask
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, RP)
+    rv = r < R
+    sp = tl.arange(0, SP)
+    part = tl.load(part_ptr + (row * S + sp)[:, None] * RP + r[None, :], mask=(sp < S)[:, None], other=0.0)
+    acc = tl.sum(part, axis=0)
+    if HAS_B1:
+        acc += tl.load(b1_ptr + r, mask=rv, other=0.0)
+    logit = _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R, G, GP, KIND, HAS_B2)
+    g = tl.arange(0, GP)
+    tl.store(m_ptr + row * G + g, logit > 0, mask=g < G)
 
 
 def check_router(kind: str, router_input: str, D: int, w1, b1, w2, b2) -> int:
@@ -141,9 +179,29 @@ def check_router(kind: str, router_input: str, D: int, w1, b1, w2, b2) -> int:
     return w2.shape[0] // 2 if kind == "pair" else w2.shape[0]
 
 
+# One program per row reads the router's first layer (w1: R x D fp32) alone: at decode that is one SM pulling
+# up to a couple of MB (8B shape, 112 linear groups: 1.8 MB), latency-bound. Above this many w1 bytes per row
+# the width is split over programs until about SPLIT_PROGRAMS programs run, and a second launch adds their
+# partial sums (a static function of the shapes and the device, so a CUDA graph replays the same grids).
+SPLIT_MIN_BYTES = 64 * 1024
+SPLIT_PROGRAMS = 256
+
+
+def num_splits(T: int, D: int, R: int, BD: int, split: Optional[int] = None) -> tuple[int, int]:
+    """(S, split_d): programs per row and the columns each covers (a multiple of BD)."""
+    blocks = triton.cdiv(D, BD)
+    if split is None:
+        split = 1 if R * D * 4 < SPLIT_MIN_BYTES else max(1, SPLIT_PROGRAMS // max(T, 1))
+    S = max(1, min(split, blocks))
+    split_d = triton.cdiv(blocks, S) * BD
+    return triton.cdiv(D, split_d), split_d
+
+
 def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None,
-                          wrap: bool = False):
-    """x [T, D] (any float dtype), w_norm [D] -> (y [T, D] in x's dtype, mask [T, G] bool), one launch."""
+                          wrap: bool = False, split: Optional[int] = None, block_d: Optional[int] = None):
+    """x [T, D] (any float dtype), w_norm [D] -> (y [T, D] in x's dtype, mask [T, G] bool): one launch, or two
+    where w1 is large (num_splits; `split` forces the programs per row and `block_d` the column tile, for
+    tests)."""
     T, D = x.shape
     G = check_router(kind, router_input, D, w1, b1, w2, b2)
     R = w1.shape[0]
@@ -151,13 +209,18 @@ def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
     RP, GP = triton.next_power_of_2(R), triton.next_power_of_2(G)
-    BD = max(16, min(triton.next_power_of_2(D), 8192 // RP))  # the w1 tile [RP, BD] stays in registers
-    w2_ = w2.contiguous() if w2 is not None else w1
-    _launcher(_rmsnorm_router_kernel, wrap)[(T,)](
-        x, w_norm.contiguous(), y, mask, w1.contiguous(), b1 if b1 is not None else w1, w2_,
-        b2 if b2 is not None else w1, D, x.stride(0), y.stride(0), float(eps),
-        R=R, G=G, RP=RP, GP=GP, BD=BD, KIND=_KIND_IDS[kind], RESIDUAL=router_input == "residual",
-        HAS_B1=b1 is not None, HAS_B2=b2 is not None, num_warps=4 if RP * BD <= 4096 else 8)
+    BD = block_d or max(16, min(triton.next_power_of_2(D), 8192 // RP))  # the w1 tile [RP, BD] in registers
+    S, split_d = num_splits(T, D, R, BD, split)
+    part = torch.empty((T, S, RP), dtype=torch.float32, device=x.device) if S > 1 else mask
+    w1c, w2_ = w1.contiguous(), (w2.contiguous() if w2 is not None else w1)
+    b1_, b2_ = (b1 if b1 is not None else w1), (b2 if b2 is not None else w1)
+    flags = dict(R=R, G=G, RP=RP, GP=GP, KIND=_KIND_IDS[kind], HAS_B1=b1 is not None, HAS_B2=b2 is not None)
+    _launcher(_rmsnorm_router_kernel, wrap)[(T, S)](
+        x, w_norm.contiguous(), y, mask, w1c, b1_, w2_, b2_, part, D, split_d, x.stride(0), y.stride(0), float(eps),
+        BD=BD, S=S, RESIDUAL=router_input == "residual", num_warps=4 if RP * BD <= 4096 else 8, **flags)
+    if S > 1:
+        _launcher(_router_finish_kernel, wrap)[(T,)](part, mask, b1_, w2_, b2_, S=S,
+                                                     SP=triton.next_power_of_2(S), num_warps=4, **flags)
     return y, mask
 
 
