@@ -86,6 +86,16 @@ def test_shipped_tables_load_and_round_trip(name):
         assert cfg["up_bn"] <= 32 and cfg["dn_bk"] <= 32
 
 
+@pytest.mark.parametrize("gs", [1, 4, 8, 12])
+def test_small_groups_keep_the_dot_k_minimum(gs):
+    """dn_bk is the K of the K-skip kernel's tl.dot, which the GPU compiler refuses below 16 (groups of 8
+    columns failed to compile on an H100): below 16 the K tile stays at 16 and the kernel masks the rows past
+    the group; up_bn (an N tile) follows the group down."""
+    t = tu.KernelTuning("x", ((1, {**BASE, "up_bn": 64, "dn_bk": 64}),))
+    assert t.row(1, gs)["dn_bk"] == 16 and t.row(1, gs)["up_bn"] == 1 << max(gs - 1, 0).bit_length()
+    assert t.row(1, 24)["dn_bk"] == 32 and t.row(1, 200)["dn_bk"] == 64
+
+
 def test_table_rows_are_chosen_by_token_count():
     t = tu.KernelTuning("x", ((1, {**BASE, "up_bm": 1}), (10, {**BASE, "up_bm": 2}), (100, {**BASE, "up_bm": 3})))
     assert [t.row(T, 64)["up_bm"] for T in (1, 9, 10, 99, 100, 10**6)] == [1, 1, 2, 2, 3, 3]

@@ -24,6 +24,8 @@ DECODE_T = 16
 PHASES = ("decode", "prefill")
 # Tile fields bounded by the group: a tile never spans more than one group's columns (up_bn) / rows (dn_bk).
 GROUP_CAPPED = ("up_bn", "dn_bk")
+# ... but a K tile stays at least tl.dot's minimum K on the GPU (16): the kernels mask the rows past the group
+DOT_MIN = {"dn_bk": 16}
 FIELDS = ("path", "down", "up_bm", "up_bn", "up_bk", "up_warps", "up_stages", "dn_bm", "dn_bn", "dn_bk",
           "dn_split", "dn_warps", "dn_stages", "group_g", "group_m")
 
@@ -61,7 +63,7 @@ class KernelTuning:
         cfg = dict(next(c for t, c in reversed(self.rows) if t <= max(T, 1)))
         gs2 = 1 << max(group_size - 1, 0).bit_length()  # group size rounded up to a power of two
         for k in GROUP_CAPPED:
-            cfg[k] = min(cfg[k], gs2)
+            cfg[k] = min(cfg[k], max(gs2, DOT_MIN.get(k, 1)))
         return cfg
 
     def with_overrides(self, decode: Optional[dict] = None, prefill: Optional[dict] = None) -> "KernelTuning":
