@@ -1,6 +1,6 @@
 """Router training: stage 1 (routers only, base frozen, KD + LM + capacity loss) and stage 2 (LoRA).
 
-Entry point: `python -m wide_compile.training {recipe,stage1,stage2,tokenize,convert,answers} ...` or `train_main(argv)`;
+Entry point: `python -m wide_compile.training {recipe,stage1,stage2,tokenize,convert,answers,lora-rank} ...` or `train_main(argv)`;
 `recipe` runs both stages of one capacity, resumably (training/recipe.py). Each runs unchanged under
 `torchrun --nproc-per-node N` (training/distributed.py: FSDP2).
 """
@@ -19,9 +19,9 @@ def train_main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cmds = {"recipe": "recipe", "stage1": "stage1", "stage2": "stage2", "tokenize": "data", "convert": "convert",
-            "answers": "dense_answers"}
+            "answers": "dense_answers", "lora-rank": "lora_rank"}
     if not argv or argv[0] not in cmds:
-        print("usage: python -m wide_compile.training {recipe,stage1,stage2,tokenize,convert,answers} [options] (--help for each)")
+        print("usage: python -m wide_compile.training {recipe,stage1,stage2,tokenize,convert,answers,lora-rank} [options] (--help for each)")
         return 2
     import importlib
 
