@@ -51,7 +51,8 @@
 #                          (wide; its choice per row in the path column), the tuning table's (wide_table), and the
 #                          cost model plus the fused norm + router (wide_fused): 8B shape (LEAN_LAYERS, default
 #                          8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and the
-#                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1)
+#                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1);
+#                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
@@ -407,11 +408,13 @@ step() {
       tests/test_kernel_norm_router.py tests/test_cost_model.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
     e2e e2e-lean-8b "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b --layers "${LEAN_LAYERS:-8}" --phases decode \
       --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
-      --variants inductor static wide wide_table wide_fused --profile "${SHORT[@]}" --no-plot --name e2e-h200-lean-8b
+      --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
+      --name e2e-h200-lean-8b
+    [ "${LEAN_SMOL:-1}" = 1 ] || return 0
     e2e e2e-lean-smollm2 "${LEAN_SMOL_TIMEOUT:-170}" --models smollm2-135m --smollm2-weights random \
       --phases decode prefill --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 --prefill-batch 1 \
-      --capacities 0.5 --masks random --variants inductor static wide wide_table wide_fused "${SHORT[@]}" \
-      --no-plot --name e2e-h200-lean-smollm2 ;;
+      --capacities 0.5 --masks random --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} \
+      "${SHORT[@]}" --no-plot --name e2e-h200-lean-smollm2 ;;
   tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
     local d
     for d in .data/train-text .data/train-text-gz; do
