@@ -194,7 +194,7 @@ def test_stage1_interrupted_then_resumed_equals_uninterrupted(tmp_path):
     rec = ca["train"][-1]
     assert {"tokens", "loss", "kd", "cap", "attn", "ffn", "tau"} <= rec.keys()
     assert {"tokens", "ppl", "cap", "attn", "ffn", "dense_ppl"} <= ca["eval"][-1].keys()
-    assert ca["train"][0]["tau"] > 3.5 and ca["train"][-1]["tau"] == pytest.approx(0.5)  # wide recipe: tau 5 -> 0.5
+    assert ca["train"][0]["tau"] > 3.5 and ca["train"][-1]["tau"] == pytest.approx(1.5)  # wide recipe: tau 5 -> 1.5
 
 
 def test_deadline_checkpoints_and_exits_then_resumes(tmp_path):
