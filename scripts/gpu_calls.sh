@@ -93,6 +93,8 @@
 #                          generation at batch 32)
 #   pack                   that run's (RUNS': all) routers, LoRA, summary, curves and quality records as
 #                          $OUT/run-NAME.tgz
+#   shipped_quality        needs setup: `wide eval quality` (fp32: ppl, positions, generation) on each shipped router set
+#                          with its LoRA as committed (SHIPPED, default the c50 and c70 sets) into $OUT/shipped-NAME/
 #   pack_out               every file under $OUT so far into one $OUT/out-HHMMSS.tgz (a call brings back at most 8
 #                          files, at most 2 folders down: end a call whose steps write more with this step)
 #   answers                needs setup + tokens: the dense model's greedy chat answers to ANSWERS_N (8192) prompts
@@ -478,6 +480,15 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
     done
     # shellcheck disable=SC2086
     pack_runs distill.tgz $names
+    return $rc ;;
+  shipped_quality)  # the committed sets as a user gets them; one at a time (side by side runs out of memory)
+    local rc=0 name
+    for name in ${SHIPPED:-smollm2-135m-c50 smollm2-135m-c70}; do
+      python3 -m wide_compile.eval quality --routers "$name" --lora "wide_compile/pretrained/$name.lora.safetensors" \
+        --dtype float32 --out "$OUT/shipped-$name" --metrics ppl,positions,generation --batch-size 32 \
+        > "$OUT/shipped-$name.log" 2>&1 || rc=$?
+      grep -E "ppl:|generation:" "$OUT/shipped-$name.log" | sed "s/^/[$name] /"
+    done
     return $rc ;;
   pack_out)
     local name="out-$(date +%H%M%S).tgz"
