@@ -22,7 +22,8 @@ TRAIN_COMMANDS = {"stage1": "stage 1: train the routers, base model frozen (dist
                   "recipe": "stage 1 then stage 2 for one capacity in one resumable run folder",
                   "tokenize": "tokenize the training text once into a token cache (.npy)",
                   "convert": "codebook / nested routers converted from trained free routers (no training)",
-                  "answers": "the dense model's own greedy chat answers, packed as training blocks (--answers)"}
+                  "answers": "the dense model's own greedy chat answers, packed as training blocks (--answers)",
+                  "lora-rank": "a saved LoRA cut to a lower rank by the SVD of each update (the best approximation)"}
 BENCH_SCRIPTS = {"kernels": ("bench_kernels.py", "WIDE's Triton ops against cuBLAS and a static half-width op"),
                  "e2e": ("bench_e2e.py", "whole models: torch.compile(backend='wide') against dense Inductor")}
 
