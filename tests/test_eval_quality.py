@@ -8,7 +8,8 @@ import torch
 import wide_compile as wc
 from wide_compile.eval import eval_main
 from wide_compile.eval.generation import (agreement_length, agreement_summary, continuation_nll, greedy_continuations,
-                                         teacher_forced_summary, top1_along)
+                                         repeating, teacher_forced_summary, top1_along)
+from wide_compile.eval.quality_metrics import summary_line
 from wide_compile.eval.perplexity import perplexity, sliding_windows
 from wide_compile.eval.positions import bucketize, compare_buckets, position_nll, split_articles
 from wide_compile.eval.zeroshot import compare_tasks, retention_above_chance
@@ -119,6 +120,28 @@ def test_continuation_nll_and_summary():
     r = agreement_summary(prompts, conts, [[1, 2], [6, 5, 6]], model, max_new=3, agree_at=2)
     assert [x["agreement"] for x in r["per_prompt"]] == [3, 1] and r["frac_agree_at"] == 0.5
     assert r["dense_nll_of_dense"] == pytest.approx(sum(s for s, _ in got) / 5, rel=1e-9)
+    assert r["wide_repeating"] == 0.0 and r["dense_repeating"] == 0.0  # no 4-token run three times in 3 tokens
+
+
+@pytest.mark.parametrize("cont,loops", [
+    ([5, 6, 7, 8] * 3, True),                    # one sentence three times
+    ([5, 6, 7, 8] * 2 + [5, 6, 7], False),       # twice and a partial third
+    ([9] * 6, True),                             # one token six times: the run (9, 9, 9, 9) three times
+    ([9] * 5, False),
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], False),
+    ([], False), ([3, 3], False),
+])
+def test_repeating_sees_loops_the_fluency_figure_cannot(cont, loops):
+    assert repeating(cont) is loops
+
+
+def test_summary_counts_repeating_answers():
+    model = _model()
+    loop, plain = [5, 6, 7, 8] * 3, list(range(10, 22))
+    r = agreement_summary([[3, 4], [9, 8], [7]], [plain, plain, loop], [loop, loop, plain], model, max_new=12)
+    assert r["wide_repeating"] == pytest.approx(2 / 3) and r["dense_repeating"] == pytest.approx(1 / 3)
+    assert [p["wide_repeating"] for p in r["per_prompt"]] == [True, True, False]
+    assert "repeating itself (4 tokens 3+ times): WIDE 67%, dense 33%" in summary_line("generation", r)
 
 
 def test_top1_along_reproduces_greedy_and_matches_one_forward_per_prefix():

@@ -4,10 +4,23 @@ Per prompt: the exact-prefix agreement length (new tokens until the first one th
 `max_new`; two identical continuations count as `max_new`, also when both stopped at EOS early). Overall:
 the mean agreement, the fraction of prompts agreeing for >= `agree_at` tokens, and a reference-free
 fluency figure: the dense model's mean per-token NLL of WIDE's continuations (and of its own, for scale).
+The fluency figure cannot see a loop (a repeated sentence is likely text), so the share of continuations
+that repeat themselves (`repeating`: a run of REPEAT_NGRAM tokens REPEAT_TIMES times or more) is reported
+beside it, for both models.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+
+REPEAT_NGRAM, REPEAT_TIMES = 4, 3
+
+
+def repeating(cont: list[int], n: int = REPEAT_NGRAM, times: int = REPEAT_TIMES) -> bool:
+    """True when some run of n consecutive tokens occurs `times` or more times in the continuation."""
+    counts = Counter(tuple(cont[i:i + n]) for i in range(len(cont) - n + 1))
+    return bool(counts) and max(counts.values()) >= times
 
 
 
@@ -166,6 +179,9 @@ def agreement_summary(prompt_ids, dense_cont, wide_cont, dense_model, max_new: i
             "mean_agreement": sum(agree) / n if n else None,
             "frac_agree_at": sum(a >= agree_at for a in agree) / n if n else None,
             "dense_nll_of_wide": _mean(fl_wide), "dense_nll_of_dense": _mean(fl_dense),
+            "repeat_ngram": REPEAT_NGRAM, "repeat_times": REPEAT_TIMES,
+            "wide_repeating": sum(map(repeating, wide_cont)) / n if n else None,
+            "dense_repeating": sum(map(repeating, dense_cont)) / n if n else None,
             "per_prompt": [{"agreement": a, "dense_tokens": len(d), "wide_tokens": len(w),
-                            "dense_nll_of_wide": s / c if c else None}
+                            "dense_nll_of_wide": s / c if c else None, "wide_repeating": repeating(w)}
                            for a, d, w, (s, c) in zip(agree, dense_cont, wide_cont, fl_wide)]}

@@ -132,11 +132,14 @@ def summary_line(metric: str, r: dict) -> str:
         return f"positions: WIDE - dense NLL by position ({r['passages']} passages): " + ", ".join(parts)
     if metric == "generation":
         tf = r.get("teacher_forced") or {}
+        rep_part = (f"; repeating itself ({r['repeat_ngram']} tokens {r['repeat_times']}+ times): WIDE "
+                    f"{_f(r['wide_repeating'], '.0%')}, dense {_f(r['dense_repeating'], '.0%')}"
+                    if "wide_repeating" in r else "")
         tf_part = (f"; teacher-forced along dense's answer: top-1 {_f(tf.get('top1_agreement'), '.1%')}, first token "
                    f"{_f((tf.get('first_token') or {}).get('agreement'), '.0%')}" if tf else "")
         return (f"generation: {r['prompts']} prompts, mean agreement {_f(r['mean_agreement'], '.1f')} tokens, "
                 f"{_f(r['frac_agree_at'], '.0%')} agree >= {r['agree_at']}; dense NLL of WIDE's text "
-                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})" + tf_part)
+                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})" + rep_part + tf_part)
     acc = r["acc"]
     parts = [f"{t} {_f(v['retention_above_chance'], '.2f')}" + ("" if v["informative"] else " (uninformative)")
              for t, v in acc["tasks"].items()]
