@@ -16,6 +16,7 @@ from wide_compile.kernels.tuning import KernelTuning, table_for  # noqa: E402
 from wide_compile.models import tiny_model  # noqa: E402
 from wide_compile.passes import PassManager  # noqa: E402
 from wide_compile.passes import cost_model as cm  # noqa: E402
+from wide_compile.passes.base import DENSE_EVERYWHERE  # noqa: E402
 
 from test_passes_models import CFG, capture, run_logits  # noqa: E402
 
@@ -192,6 +193,10 @@ def test_pass_records_its_choice_and_stays_exact(kernel_path):
         if kernel_path == "dense":
             assert d.path == "dense_masked"
     assert all("path" in (r["mlp"]["detail"]) for r in ctx.report.layers())
+    # the report says when the routed graph cannot beat dense: every op on its dense-masked path
+    every_dense = all(n.meta["wide_path"].path == "dense_masked" for n in ops)
+    assert ctx.report.dense_everywhere == every_dense and (DENSE_EVERYWHERE in str(ctx.report)) == every_dense
+    assert every_dense if kernel_path == "dense" else (not every_dense if kernel_path == "compact" else True)
     torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -110,6 +110,11 @@ class AttnMatch(_BlockForm):
     bucket_reason: str = ""
 
 
+DENSE_EVERYWHERE = ("every routed projection runs its dense-masked path here (the cost model finds no weight tile "
+                    "that the masks of this many tokens leave unused): this graph does the dense model's work plus "
+                    "routing and cannot be faster than dense at this token count")
+
+
 @dataclass
 class GraphReport:
     """What the passes did to one Dynamo graph."""
@@ -124,6 +129,9 @@ class GraphReport:
     ops_after: Counter = field(default_factory=Counter)
     form: str = "none"                  # masked (routers traced) | dense+routers (inserted) | none
     seconds: float = 0.0
+    # every rewritten projection runs its dense-masked path at every token count this graph takes: the routed
+    # graph does the dense model's work plus the routers' and cannot be faster than dense (cost_model)
+    dense_everywhere: bool = False
 
     def layers(self) -> list[dict]:
         n = max([d["layer"] for d in self.mlp + self.attn] + [-1]) + 1
@@ -146,6 +154,8 @@ class GraphReport:
             lines.append(f"  masked reference: {f}")
         for u in self.unmatched:
             lines.append(f"  not matched: {u}")
+        if self.dense_everywhere:
+            lines.append("  " + DENSE_EVERYWHERE)
         return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from torch import fx
 
 from ..config import GroupGeometry
 from ._graph import describe, is_call, is_linear, is_mul, linear_parts, match_group_mask
-from .base import Pass, PassContext, counters, log, op_counts
+from .base import DENSE_EVERYWHERE, Pass, PassContext, counters, log, op_counts
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
 from .fuse_norm_router import FuseNormRouter
@@ -161,6 +161,11 @@ def _summarise(ctx: PassContext) -> None:
                        "bucket_reason": a.bucket_reason,
                        "group_size": a.group_size, "detail": detail, "q_rewritten": a.status == "rewritten" and a.q_ok,
                        "nodes": {"q": a.q.name, "o": a.o.name, "kv": [n.name for n in a.kv]}})
+    decisions = [d for b in (*ctx.mlps, *ctx.attns) for d in b.paths.values()]
+    r.dense_everywhere = bool(decisions) and all(
+        all(p == "dense_masked" for _, p in d.rows) if d.T is None else d.path == "dense_masked" for d in decisions)
+    if r.dense_everywhere:
+        log.info("wide_compile: %s", DENSE_EVERYWHERE)
     forms = {m.form for m in ctx.mlps} | {a.form for a in ctx.attns}
     if "masked" in forms:
         r.form = "masked"
