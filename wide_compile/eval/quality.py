@@ -4,8 +4,8 @@ Loads SmolLM2-135M-Instruct (GGUF from --gguf or $WIDE_SMOLLM2_GGUF), builds the
 model (the LoRA, if any, merged into a copy, then the routers attached), runs the chosen metrics and writes
 <out>/<metric>.json (result + command, machine, date, models, settings) and <out>/summary.md.
 Metrics: ppl (WikiText-2 test sliding window, reported as the WIDE/dense ratio), positions (NLL by
-position on long articles), generation (greedy agreement with dense on the committed prompt set), zeroshot
-(lm-eval, retention above chance). The data files are checked before the model is loaded.
+position on long articles), generation (greedy agreement with dense on the committed prompt set, dense's NLL
+of the answers, the share that loop), zeroshot (lm-eval, retention above chance). The data files are checked before the model is loaded.
 """
 from __future__ import annotations
 
