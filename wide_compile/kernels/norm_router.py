@@ -65,9 +65,11 @@ def rmsnorm_router_ref(x, w_norm, eps: float, router_input: str, kind: str, w1, 
 # ----------------------------------------------------------------------------- Triton
 
 @triton.jit
-def _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                     KIND: tl.constexpr, HAS_B2: tl.constexpr):
-    # acc [RP]: the router's first layer (bias included) -> logits [GP]
+def _store_mask(acc, row, r, rv, m_ptr, b1_ptr, w2_ptr, b2_ptr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                KIND: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+    # acc [RP]: the router's first layer without its bias -> the row's mask (logits > 0)
+    if HAS_B1:
+        acc += tl.load(b1_ptr + r, mask=rv, other=0.0)
     g = tl.arange(0, GP)
     gv = g < G
     if KIND == 0:  # linear: R == G, the first layer's output is the logits
@@ -87,7 +89,7 @@ def _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R: tl.constexpr, G: tl.constexp
             z_skip += tl.load(b2_ptr + 2 * g, mask=gv, other=0.0)
             z_exec += tl.load(b2_ptr + 2 * g + 1, mask=gv, other=0.0)
         logit = z_exec - z_skip
-    return logit
+    tl.store(m_ptr + row * G + g, logit > 0, mask=gv)
 
 
 @triton.jit
@@ -130,11 +132,7 @@ def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, 
         w = tl.load(w1_ptr + r[:, None] * D + d[None, :], mask=rv[:, None] & dv[None, :], other=0.0)
         acc += tl.sum(w * h[None, :], axis=1)
     if S == 1:  # the whole row in one program: the logits and the mask here
-        if HAS_B1:
-            acc += tl.load(b1_ptr + r, mask=rv, other=0.0)
-        logit = _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R, G, GP, KIND, HAS_B2)
-        g = tl.arange(0, GP)
-        tl.store(m_ptr + row * G + g, logit > 0, mask=g < G)
+        _store_mask(acc, row, r, rv, m_ptr, b1_ptr, w2_ptr, b2_ptr, R, G, GP, KIND, HAS_B1, HAS_B2)
     else:  # partial sums [T, S, RP] for _router_finish_kernel
         tl.store(part_ptr + (row * S + s) * RP + r, acc)
 
@@ -150,12 +148,7 @@ def _router_finish_kernel(part_ptr, m_ptr, b1_ptr, w2_ptr, b2_ptr,
     rv = r < R
     sp = tl.arange(0, SP)
     part = tl.load(part_ptr + (row * S + sp)[:, None] * RP + r[None, :], mask=(sp < S)[:, None], other=0.0)
-    acc = tl.sum(part, axis=0)
-    if HAS_B1:
-        acc += tl.load(b1_ptr + r, mask=rv, other=0.0)
-    logit = _logits_from_acc(acc, r, rv, w2_ptr, b2_ptr, R, G, GP, KIND, HAS_B2)
-    g = tl.arange(0, GP)
-    tl.store(m_ptr + row * G + g, logit > 0, mask=g < G)
+    _store_mask(tl.sum(part, axis=0), row, r, rv, m_ptr, b1_ptr, w2_ptr, b2_ptr, R, G, GP, KIND, HAS_B1, HAS_B2)
 
 
 def check_router(kind: str, router_input: str, D: int, w1, b1, w2, b2) -> int:
