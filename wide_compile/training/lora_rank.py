@@ -26,6 +26,9 @@ def lower_rank(state: dict, rank: int, alpha: int, new_rank: int) -> tuple[dict,
     (lora_state's keys: <module>.lora_A.weight [r, in], <module>.lora_B.weight [out, r])."""
     if not 1 <= new_rank <= rank:
         raise ValueError(f"the new rank must be in [1, {rank}] (the adapter's rank), got {new_rank}")
+    if alpha * new_rank % rank:
+        raise ValueError(f"alpha * new_rank / rank = {alpha * new_rank / rank} is not an integer: pick a rank that "
+                         "divides it")
     scale = alpha / rank
     out, kept, total = {}, 0.0, 0.0
     mods = sorted(m.group("mod") for k in state if (m := _A.match(k)))
@@ -43,10 +46,7 @@ def lower_rank(state: dict, rank: int, alpha: int, new_rank: int) -> tuple[dict,
         out[f"{mod}.lora_A.weight"] = s_k[:, None] * (vh[:new_rank] @ qa.T)
         kept += float((s[:new_rank] ** 2).sum())
         total += float((s ** 2).sum())
-    new_alpha = alpha * new_rank / rank
-    if new_alpha != int(new_alpha):
-        raise ValueError(f"alpha * new_rank / rank = {new_alpha} is not an integer: pick a rank that divides it")
-    return out, int(new_alpha), kept / total if total > 0 else 1.0
+    return out, alpha * new_rank // rank, kept / total if total > 0 else 1.0
 
 
 def main(argv=None) -> int:
