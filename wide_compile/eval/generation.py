@@ -23,7 +23,6 @@ def repeating(cont: list[int], n: int = REPEAT_NGRAM, times: int = REPEAT_TIMES)
     return bool(counts) and max(counts.values()) >= times
 
 
-
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     """Token ids of each prompt as one user turn through the chat template (plain text without one)."""
     out = []

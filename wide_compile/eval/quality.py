@@ -5,7 +5,8 @@ model (the LoRA, if any, merged into a copy, then the routers attached), runs th
 <out>/<metric>.json (result + command, machine, date, models, settings) and <out>/summary.md.
 Metrics: ppl (WikiText-2 test sliding window, reported as the WIDE/dense ratio), positions (NLL by
 position on long articles), generation (greedy agreement with dense on the committed prompt set, dense's NLL
-of the answers, the share that loop), zeroshot (lm-eval, retention above chance). The data files are checked before the model is loaded.
+of the answers, the share that loop), zeroshot (lm-eval, retention above chance). The data files are checked
+before the model is loaded.
 """
 from __future__ import annotations
 
