@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +35,7 @@ def shares(record: dict, encode) -> dict:
 
 
 def main(argv=None) -> int:
+    from wide_compile.eval.records import command_line, make_record
     from wide_compile.models.smollm2 import load_smollm2
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,21 +47,20 @@ def main(argv=None) -> int:
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = []
     for path in a.records:
-        rec = json.loads(Path(path).read_text())
-        row = {"record": str(Path(path).resolve().relative_to(ROOT)) if Path(path).resolve().is_relative_to(ROOT)
-               else path, "routers": rec.get("models", {}).get("routers") if isinstance(rec.get("models"), dict) else None,
-               **shares(rec, encode)}
+        full = Path(path).resolve()
+        rec = json.loads(full.read_text())
+        models = rec.get("models") if isinstance(rec.get("models"), dict) else {}
+        row = {"record": str(full.relative_to(ROOT)) if full.is_relative_to(ROOT) else path,
+               "routers": models.get("routers"), **shares(rec, encode)}
         rows.append(row)
         print(f"{row['record']}: {row['prompts']} prompts, repeating itself: WIDE {row['wide_repeating']:.0%}, "
               f"dense {row['dense_repeating']:.0%} ({row['source']})")
-    out = {"what": "share of answers with a run of 4 tokens 3+ times (eval.generation.repeating)", "rows": rows,
-           "command": "python benchmarks/generation_repetition.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "machine": f"{platform.machine()} CPU, {platform.python_version()}",
-           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    command = command_line(argv, "python benchmarks/generation_repetition.py")
+    out = make_record("repetition", {"rows": rows}, command=command, models={"tokenizer": "SmolLM2-135M-Instruct"},
+                      settings={"what": "share of answers with a run of 4 tokens 3+ times (eval.generation.repeating)"})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
