@@ -52,7 +52,8 @@
 #                          cost model plus the fused norm + router (wide_fused): 8B shape (LEAN_LAYERS, default
 #                          8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and the
 #                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1);
-#                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows
+#                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows, LEAN_8B=0
+#                          the 8B rows
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
@@ -97,11 +98,14 @@
 #                          with its LoRA as committed (SHIPPED, default the c50 and c70 sets) into $OUT/shipped-NAME/
 #   pack_out               every file under $OUT so far into one $OUT/out-HHMMSS.tgz (a call brings back at most 8
 #                          files, at most 2 folders down: end a call whose steps write more with this step)
+#   join_parts             a file too big to carry beside the tree (a rank-64 LoRA), carried in parts over several calls:
+#                          .data/parts/pK/NAME.part.XX and NAME.sha256 ("SHA  NAME"), joined into $C/NAME when all are there
+#   lora_cut               CUT_RUNS='SRC DST RANK': run DST gets run SRC's routers and its LoRA cut to RANK
 #   answers                needs setup + tokens: the dense model's greedy chat answers to ANSWERS_N (8192) prompts
 #                          built from the train text (python -m wide_compile.training answers), packed into 512-token
 #                          blocks at /root/wcache/answers.npy; its record comes back as $OUT/answers.json
-#   distill                needs setup + tokens (+ answers): stage 2 continued from the shipped routers + LoRA, routers
-#                          jointly, each of DISTILL_RUNS at once (NAME CAPACITY SHIPPED[:fresh] ARGS...; ARGS after
+#   distill                needs setup + tokens (+ answers): stage 2 continued from a router set + LoRA (a shipped one, a
+#                          run's, or a joined file), each of DISTILL_RUNS at once (NAME CAPACITY SPEC ARGS...; ARGS after
 #                          DISTILL_S2_ARGS), paused before DEADLINE_S (400); then `wide eval quality` (ppl, generation)
 #                          on each finished run, one at a time, and $OUT/distill.tgz (routers, LoRA, curves, quality
 #                          records, logs). Repeat the step to continue paused runs / score the rest
@@ -167,31 +171,38 @@ one_convert_ft() {
 
 # distill: stage 2 continued from a shipped router set and its LoRA on text, chat turns and (where a run's ARGS say
 # so) the dense model's own answers; every run gets the same budget, so a run without --answers is the control.
-# One line per run: NAME CAPACITY SHIPPED-NAME[:fresh] ARGS... (:fresh: the shipped routers with a new LoRA, its
-# rank from ARGS, instead of the shipped LoRA)
+# One line per run: NAME CAPACITY SPEC ARGS... (SPEC below; a fresh LoRA takes its rank from ARGS)
 DISTILL_RUNS=${DISTILL_RUNS:-"d70 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.35 --chat-frac 0.15; \
 d70a 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.6 --chat-frac 0.1; \
 t70 0.7 smollm2-135m-c70 --chat-frac 0.25"}
 DISTILL_S2_ARGS=${DISTILL_S2_ARGS:---joint true --lr 2e-4 --router-lr 2e-4 --separate-targets true --tau-start 1.0 \
   --tau-end 1.0 --noise-off-frac 1.0 --epochs 0.2 --batch-size 16 --eval-every 40 --patience 4 --amp true}
 
+# SPEC, the set a run starts from: SHIPPED (a shipped set's routers and LoRA), SHIPPED:fresh (its routers, a new LoRA),
+# SHIPPED+FILE (its routers, the LoRA $C/FILE, e.g. one that join_parts put together) or runs/NAME (a run of $C/runs)
 one_distill() {
-  local name=$1 cap=$2 spec=$3 shipped init=(); shift 3
-  shipped=wide_compile/pretrained/${spec%:fresh}
-  [ "$spec" = "${spec%:fresh}" ] && init=(--init-lora "$shipped.lora.safetensors")
+  local name=$1 cap=$2 spec=$3 routers lora=; shift 3
+  case "$spec" in
+    runs/*) routers=$C/$spec/routers.safetensors lora=$C/$spec/lora.safetensors ;;
+    *+*) routers=wide_compile/pretrained/${spec%%+*}.safetensors lora=$C/${spec#*+} ;;
+    *:fresh) routers=wide_compile/pretrained/${spec%:fresh}.safetensors ;;
+    *) routers=wide_compile/pretrained/$spec.safetensors lora=wide_compile/pretrained/$spec.lora.safetensors ;;
+  esac
+  local init=(); [ -n "$lora" ] && init=(--init-lora "$lora")
   # shellcheck disable=SC2086
-  python3 -m wide_compile.training stage2 --routers "$shipped.safetensors" "${init[@]}" \
+  python3 -m wide_compile.training stage2 --routers "$routers" "${init[@]}" \
     --out "$C/runs/$name" --tokens "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF" --deadline-s "${DEADLINE_S:-400}" \
     --capacity "$cap" $DISTILL_S2_ARGS "$@" >> "$OUT/distill-$name.log" 2>&1
   local rc=$?; grep -v "^\s*$" "$OUT/distill-$name.log" | tail -4 | sed "s/^/[$name] /"; return $rc
 }
 
-# pack_runs ARCHIVE NAME...: whatever each run folder holds of routers, LoRA, records, curves and quality into $OUT
+# pack_runs ARCHIVE NAME...: whatever each run folder holds of routers, LoRA, records, curves and quality into $OUT; a
+# LoRA over 12 MB stays behind (a returned file is at most 16 MiB: a rank-64 LoRA is cut with lora_cut first)
 pack_runs() {
   local archive=$1; shift
   (cd "$C/runs" && tar czf "$OUT/$archive" $(for r in "$@"; do ls -d "$r"/converted.json "$r"/routers.safetensors \
-    "$r"/lora.safetensors "$r"/summary.json "$r"/stage2.json "$r"/curve.* "$r"/stage*/curve.* "$r"/stage*/stage*.json \
-    "$r"/quality 2>/dev/null; done)) && ls -la "$OUT/$archive"
+    $(find "$r" -maxdepth 1 -name lora.safetensors -size -12M) "$r"/summary.json "$r"/stage2.json "$r"/curve.* \
+    "$r"/stage*/curve.* "$r"/stage*/stage*.json "$r"/quality 2>/dev/null; done)) && ls -la "$OUT/$archive"
 }
 
 # e2e LOG_NAME TIMEOUT_S ARGS...: bench_e2e.py under a timeout, its budget 30 s inside it, the log's summary lines
@@ -408,7 +419,7 @@ step() {
   lean)
     TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernel_norm_router.py tests/test_cost_model.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
-    e2e e2e-lean-8b "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b --layers "${LEAN_LAYERS:-8}" --phases decode \
+    [ "${LEAN_8B:-1}" = 1 ] && e2e e2e-lean-8b "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b --layers "${LEAN_LAYERS:-8}" --phases decode \
       --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-8b
@@ -490,6 +501,23 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
       grep -E "ppl:|generation:" "$OUT/shipped-$name.log" | sed "s/^/[$name] /"
     done
     return $rc ;;
+  join_parts)  # files too big for one carry, beside the tree: .data/parts/pK/NAME.part.XX (+ NAME.sha256 in one part)
+    mkdir -p "$C/parts" && cp .data/parts/p*/* "$C/parts/" 2>/dev/null
+    local f name
+    for f in "$C"/parts/*.sha256; do
+      [ -f "$f" ] || continue; name=$(basename "$f" .sha256)
+      cat "$C/parts/$name".part.* > "$C/$name"
+      if (cd "$C" && sha256sum --status -c "parts/$name.sha256"); then echo "$name joined, checksum ok"
+      else rm -f "$C/$name"; echo "$name: parts missing so far"; fi
+    done ;;
+  lora_cut)  # CUT_RUNS='SRC DST RANK; ...': run DST = run SRC's routers with its LoRA cut to RANK (training/lora_rank.py)
+    local src dst rank
+    while read -r src dst rank; do
+      [ -z "$src" ] && continue
+      mkdir -p "$C/runs/$dst" && cp "$C/runs/$src/routers.safetensors" "$C/runs/$dst/" &&
+        python3 -m wide_compile.training lora-rank "$C/runs/$src/lora.safetensors" --rank "$rank" \
+          --out "$C/runs/$dst/lora.safetensors" | tail -2
+    done < <(echo "${CUT_RUNS:-}" | tr ';' '\n') ;;
   pack_out)
     local name="out-$(date +%H%M%S).tgz"
     (cd "$OUT" && find . -type f ! -name 'out-*.tgz' | sort > /tmp/pack_out.list &&
