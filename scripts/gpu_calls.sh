@@ -53,7 +53,8 @@
 #                          8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and the
 #                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1);
 #                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows, LEAN_8B=0
-#                          the 8B rows
+#                          the 8B rows; LEAN_ARGS adds bench_e2e options to the 8B rows (e.g. --head-group-size 4
+#                          --sparse-attention), LEAN_NAME a suffix to their files
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/)
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
@@ -422,7 +423,7 @@ step() {
     [ "${LEAN_8B:-1}" = 1 ] && e2e e2e-lean-8b "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b --layers "${LEAN_LAYERS:-8}" --phases decode \
       --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
-      --name e2e-h200-lean-8b
+      --name e2e-h200-lean-8b${LEAN_NAME:-} ${LEAN_ARGS:-}
     [ "${LEAN_SMOL:-1}" = 1 ] || return 0
     e2e e2e-lean-smollm2 "${LEAN_SMOL_TIMEOUT:-170}" --models smollm2-135m --smollm2-weights random \
       --phases decode prefill --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 --prefill-batch 1 \
