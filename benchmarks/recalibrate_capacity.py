@@ -6,10 +6,10 @@ capacity along one router set (SmolLM2-135M-Instruct, fp32, CPU or GPU).
         --metrics ppl,generation --out DIR/c85-quality
 
 The routers' LoRA is merged, one global offset on every learned router's margins is searched until the
-deterministic overall capacity on held train-text blocks equals --capacity (routing/calibrate.calibrate_offset_,
-as the training recipe's final calibration does), and the shifted routers are saved with a .json record (command,
-machine, date, capacity before and after). Routers trained for the target capacity would do at least as well;
-this is the trained set's own quality-capacity curve.
+deterministic overall capacity on held train-text blocks (or on --calib-file's text) equals --capacity
+(routing/calibrate.calibrate_offset_, as the training recipe's final calibration does), and the shifted routers are
+saved with a .json record (command, machine, date, capacity before and after). Routers trained for the target
+capacity would do at least as well; this is the trained set's own quality-capacity curve.
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--data", default=None, help="train-text folder; unset: $WIDE_DATA_DIR/train-text")
+    ap.add_argument("--calib-file", default=None,
+                    help="a raw text file to measure the capacity on instead of the train text (e.g. "
+                         "wikitext-2/wiki.valid.raw under the data root: the evaluation's domain, not its test file)")
     ap.add_argument("--tokens", default=None, help="token cache .npy (read if present)")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -49,7 +52,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     model, routers, blocks, src, lora = free_routers_on_text(a.routers, a.lora, a.calib_tokens // a.seq_len,
                                                              a.seq_len, a.device, a.gguf, a.data, a.tokens,
-                                                             what="--calib-tokens")
+                                                             what="--calib-tokens", text_file=a.calib_file)
     before = deterministic_capacity(model, routers, blocks, batch_size=a.batch_size)
     offset = calibrate_offset_(model, routers, blocks, a.capacity, batch_size=a.batch_size)
     after = deterministic_capacity(model, routers, blocks, batch_size=a.batch_size)
@@ -59,7 +62,7 @@ def main(argv=None) -> dict:
     rec = {"command": command_line(argv, prog="python benchmarks/recalibrate_capacity.py"),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(a.device),
            "routers": a.routers, "routers_file": str(src), "lora": None if lora is None else str(lora),
-           "target": a.capacity, "offset": offset, "calib_tokens": blocks.numel(),
+           "target": a.capacity, "offset": offset, "calib_tokens": blocks.numel(), "calib_file": a.calib_file,
            "capacity_before": before, "capacity_after": after, "seconds": round(time.time() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(rec, indent=1))
     print(f"{a.routers}: capacity {before['overall']:.4f} -> {after['overall']:.4f} (offset {offset:+.3f}) -> {out}")

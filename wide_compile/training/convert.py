@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -30,10 +31,12 @@ def _routers_source(name_or_path: str):
 
 
 def free_routers_on_text(routers: str, lora: str | None, n_blocks: int, seq_len: int, device, gguf, data, tokens,
-                         what: str = "the blocks"):
-    """(SmolLM2 in fp32 with the routers' LoRA merged, the free routers, train-text blocks [n_blocks, seq_len],
+                         what: str = "the blocks", text_file=None):
+    """(SmolLM2 in fp32 with the routers' LoRA merged, the free routers, text blocks [n_blocks, seq_len],
     routers file, LoRA file or None). `routers`: a shipped name or a file; `lora`: None (a shipped name's own),
-    'none' or a file. fp32: recorded margins and calibration decide every token's pick."""
+    'none' or a file; the blocks come from the train text, or from `text_file` (one raw text read as one string,
+    as the perplexity protocol reads WikiText-2) when given. fp32: recorded margins and calibration decide every
+    token's pick."""
     from ..models import load_smollm2
     from ..routing.routers import Routers
     from .data import load_tokens
@@ -49,7 +52,10 @@ def free_routers_on_text(routers: str, lora: str | None, n_blocks: int, seq_len:
         load_lora_merged(model, lora_path)
     free = Routers.load(src, model, structure="free")
     need = n_blocks * seq_len
-    toks = load_tokens(tok, data, tokens, max_tokens=None if tokens else need)
+    if text_file is not None:
+        toks = np.asarray(tok(Path(text_file).read_text(encoding="utf-8"))["input_ids"])
+    else:
+        toks = load_tokens(tok, data, tokens, max_tokens=None if tokens else need)
     if len(toks) < need:
         raise SystemExit(f"only {len(toks)} tokens: {what} need {need}")
     blocks = torch.from_numpy(toks[:need].astype("int64")).view(-1, seq_len)
