@@ -300,3 +300,28 @@ def test_recalibrate_capacity_script_moves_a_free_set_to_the_target(monkeypatch,
     assert deterministic_capacity(model, back, cal)["overall"] == pytest.approx(rec["capacity_after"]["overall"])
     with pytest.raises(SystemExit):
         recalibrate_capacity.main(["--routers", "x", "--capacity", "1.5", "--out", str(out)])
+
+
+def test_free_routers_on_text_reads_blocks_from_a_raw_text_file(monkeypatch, tmp_path):
+    """text_file (recalibrate_capacity --calib-file): the blocks are the file's tokens in order, cut to
+    [n_blocks, seq_len]; a file too short for the blocks is one clear error."""
+    import wide_compile.models as models
+    from wide_compile.training import convert as tconv
+
+    model = tiny_model("smollm2", seed=3)
+    path = tmp_path / "routers.safetensors"
+    _random_free(model, FREE_WIDE).save(path)
+
+    class CharTokenizer:  # token id = byte value mod 128: the expected blocks follow from the text alone
+        def __call__(self, text):
+            return {"input_ids": [b % 128 for b in text.encode()]}
+
+    monkeypatch.setattr(models, "load_smollm2", lambda **k: (model, CharTokenizer()))
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(100))
+    (tmp_path / "valid.raw").write_text(text)
+    _, free, blocks, src, lora = tconv.free_routers_on_text(str(path), "none", 3, 16, "cpu", None, None, None,
+                                                           text_file=tmp_path / "valid.raw")
+    assert blocks.shape == (3, 16) and lora is None
+    assert blocks.flatten().tolist() == [ord(c) for c in text[:48]]
+    with pytest.raises(SystemExit, match="only 100 tokens"):
+        tconv.free_routers_on_text(str(path), "none", 7, 16, "cpu", None, None, None, text_file=tmp_path / "valid.raw")
