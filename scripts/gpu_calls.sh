@@ -420,8 +420,8 @@ step() {
   lean)
     [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernel_norm_router.py tests/test_cost_model.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
-    [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b --layers "${LEAN_LAYERS:-8}" --phases decode \
-      --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
+    [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
+      --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-8b${LEAN_NAME:-} ${LEAN_ARGS:-}
     [ "${LEAN_SMOL:-1}" = 1 ] || return 0
