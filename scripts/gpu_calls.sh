@@ -226,12 +226,21 @@ one_recipe() {
   local rc=$?; grep -v "^\s*$" "${LOG_DIR:-$OUT}/train-$name.log" | tail -6 | sed "s/^/[$name] /"; return $rc
 }
 
-# one_quality NAME [CAP ARGS...]: `wide eval quality` on one run's routers + LoRA
+# eval_quality LABEL ROUTERS LORA OUT LOG: `wide eval quality` (fp32; QUALITY_ARGS replace the metrics and batch size),
+# its result lines (or, when it fails, the log's end) shown as [LABEL]
+eval_quality() {
+  # shellcheck disable=SC2086
+  python3 -m wide_compile.eval quality --routers "$2" --lora "$3" --dtype float32 --out "$4" \
+    ${QUALITY_ARGS:---metrics ppl,positions,generation --batch-size 32} > "$5" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ]; then grep -E "^- (ppl|positions|generation|zeroshot)" "$5"; else tail -8 "$5"; fi | sed "s/^/[$1] /"
+  return $rc
+}
+
+# one_quality NAME: `wide eval quality` on one run's routers + LoRA, into the run's quality/
 one_quality() {
-  python3 -m wide_compile.eval quality --routers "$C/runs/$1/routers.safetensors" \
-    --lora "$C/runs/$1/lora.safetensors" --dtype float32 --out "$C/runs/$1/quality" \
-    ${QUALITY_ARGS:---metrics ppl,positions,generation --batch-size 32} > "${LOG_DIR:-$OUT}/quality-$1.log" 2>&1
-  local rc=$?; tail -8 "${LOG_DIR:-$OUT}/quality-$1.log" | sed "s/^/[$1] /"; return $rc
+  eval_quality "$1" "$C/runs/$1/routers.safetensors" "$C/runs/$1/lora.safetensors" "$C/runs/$1/quality" \
+    "${LOG_DIR:-$OUT}/quality-$1.log"
 }
 
 # each_run FN: FN NAME CAP ARGS... for every entry of RUNS at once; fails if any failed (75 if one paused)
@@ -496,10 +505,8 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
   shipped_quality)  # the committed sets as a user gets them; one at a time (side by side runs out of memory)
     local rc=0 name
     for name in ${SHIPPED:-smollm2-135m-c50 smollm2-135m-c70}; do
-      python3 -m wide_compile.eval quality --routers "$name" --lora "wide_compile/pretrained/$name.lora.safetensors" \
-        --dtype float32 --out "$OUT/shipped-$name" --metrics ppl,positions,generation --batch-size 32 \
-        > "$OUT/shipped-$name.log" 2>&1 || rc=$?
-      grep -E "ppl:|generation:" "$OUT/shipped-$name.log" | sed "s/^/[$name] /"
+      eval_quality "$name" "$name" "wide_compile/pretrained/$name.lora.safetensors" "$OUT/shipped-$name" \
+        "$OUT/shipped-$name.log" || rc=$?
     done
     return $rc ;;
   join_parts)  # files too big for one carry, beside the tree: .data/parts/pK/NAME.part.XX (+ NAME.sha256 in one part)
