@@ -551,6 +551,31 @@ def test_gpu_calls_distill_runs_parse():
         assert any(r[1] for r in runs) and [r[2] for r in runs if not r[1]] == [CHAT_FRAC_GPU]
 
 
+def test_gpu_calls_distill_start_sets(tmp_path):
+    """one_distill's SPEC (scripts/gpu_calls.sh): a shipped set, its routers with a fresh LoRA, its routers with a
+    joined LoRA file, or a run's routers and LoRA, each handed to stage 2 as --routers / --init-lora."""
+    import subprocess
+
+    text = (ROOT / "scripts" / "gpu_calls.sh").read_text()
+    defs = text[text.index("one_distill() {"):text.index("\n}\n", text.index("one_distill() {")) + 3]
+    script = f"C=/c OUT={tmp_path}; " + "python3() { echo \"$@\"; }; grep() { :; }; " + defs + """
+    for spec in smollm2-135m-c70 smollm2-135m-c70:fresh smollm2-135m-c70+big.safetensors runs/m70; do
+      one_distill n 0.7 $spec > /dev/null; cat "$OUT/distill-n.log"; rm "$OUT/distill-n.log"
+    done"""
+    lines = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+
+    def arg(line, flag):
+        words = line.split()
+        return words[words.index(flag) + 1] if flag in words else None
+
+    shipped = "wide_compile/pretrained/smollm2-135m-c70"
+    assert [(arg(x, "--routers"), arg(x, "--init-lora")) for x in lines] == [
+        (f"{shipped}.safetensors", f"{shipped}.lora.safetensors"), (f"{shipped}.safetensors", None),
+        (f"{shipped}.safetensors", "/c/big.safetensors"),
+        ("/c/runs/m70/routers.safetensors", "/c/runs/m70/lora.safetensors")]
+    assert all(arg(x, "--capacity") == "0.7" and arg(x, "--out") == "/c/runs/n" for x in lines)
+
+
 def test_gqa_decode_attention_matches_sdpa_in_decode():
     """e2e/attention.py's gqa_decode: transformers' SDPA logits in prefill and in decode steps against a
     static cache (the unwritten tail masked), where it runs wide.attn_decode with every head on; the WIDE
