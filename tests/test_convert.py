@@ -313,7 +313,8 @@ def test_free_routers_on_text_reads_blocks_from_a_raw_text_file(monkeypatch, tmp
     _random_free(model, FREE_WIDE).save(path)
 
     class CharTokenizer:  # token id = byte value mod 128: the expected blocks follow from the text alone
-        def __call__(self, text):
+        def __call__(self, text, add_special_tokens=True):
+            assert add_special_tokens is False  # the perplexity protocol's tokenization: no special tokens
             return {"input_ids": [b % 128 for b in text.encode()]}
 
     monkeypatch.setattr(models, "load_smollm2", lambda **k: (model, CharTokenizer()))

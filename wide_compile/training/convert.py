@@ -53,7 +53,7 @@ def free_routers_on_text(routers: str, lora: str | None, n_blocks: int, seq_len:
     free = Routers.load(src, model, structure="free")
     need = n_blocks * seq_len
     if text_file is not None:
-        toks = np.asarray(tok(Path(text_file).read_text(encoding="utf-8"))["input_ids"])
+        toks = np.asarray(tok(Path(text_file).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
     else:
         toks = load_tokens(tok, data, tokens, max_tokens=None if tokens else need)
     if len(toks) < need:
