@@ -171,6 +171,7 @@ def agreement_summary(prompt_ids, dense_cont, wide_cont, dense_model, max_new: i
                       batch_size: int = 32) -> dict:
     """Per-prompt agreement and the overall figures, given both models' continuations."""
     agree = [agreement_length(d, w, max_new) for d, w in zip(dense_cont, wide_cont)]
+    wide_rep = [repeating(w) for w in wide_cont]
     fl_wide = continuation_nll(dense_model, prompt_ids, wide_cont, batch_size)
     fl_dense = continuation_nll(dense_model, prompt_ids, dense_cont, batch_size)
     n = len(agree)
@@ -179,8 +180,8 @@ def agreement_summary(prompt_ids, dense_cont, wide_cont, dense_model, max_new: i
             "frac_agree_at": sum(a >= agree_at for a in agree) / n if n else None,
             "dense_nll_of_wide": _mean(fl_wide), "dense_nll_of_dense": _mean(fl_dense),
             "repeat_ngram": REPEAT_NGRAM, "repeat_times": REPEAT_TIMES,
-            "wide_repeating": sum(map(repeating, wide_cont)) / n if n else None,
+            "wide_repeating": sum(wide_rep) / n if n else None,
             "dense_repeating": sum(map(repeating, dense_cont)) / n if n else None,
             "per_prompt": [{"agreement": a, "dense_tokens": len(d), "wide_tokens": len(w),
-                            "dense_nll_of_wide": s / c if c else None, "wide_repeating": repeating(w)}
-                           for a, d, w, (s, c) in zip(agree, dense_cont, wide_cont, fl_wide)]}
+                            "dense_nll_of_wide": s / c if c else None, "wide_repeating": r}
+                           for a, d, w, (s, c), r in zip(agree, dense_cont, wide_cont, fl_wide, wide_rep)]}
