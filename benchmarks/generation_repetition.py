@@ -62,5 +62,6 @@ def main(argv=None) -> int:
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -170,7 +170,7 @@ one_convert_ft() {
   local rc=$?; grep -v "^\s*$" "$OUT/convert-$name.log" | tail -5 | sed "s/^/[$name] /"; return $rc
 }
 
-# distill: stage 2 continued from a shipped router set and its LoRA on text, chat turns and (where a run's ARGS say
+# distill: stage 2 continued from a router set and its LoRA on text, chat turns and (where a run's ARGS say
 # so) the dense model's own answers; every run gets the same budget, so a run without --answers is the control.
 # One line per run: NAME CAPACITY SPEC ARGS... (SPEC below; a fresh LoRA takes its rank from ARGS)
 DISTILL_RUNS=${DISTILL_RUNS:-"d70 0.7 smollm2-135m-c70 --answers $C/answers.npy --answers-frac 0.35 --chat-frac 0.15; \
