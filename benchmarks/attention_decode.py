@@ -3,6 +3,9 @@ SDPA with GQA at the same shapes, on a CUDA GPU.
 
     python benchmarks/attention_decode.py --out decode.json                # the table (GPU)
     python benchmarks/attention_decode.py --dry-run --out /tmp/d.json      # tiny shapes, CPU interpreter
+    python benchmarks/attention_decode.py --sweep --write-config wide_compile/kernels/configs/attn_decode/X.json \
+        --out sweep.json                                                   # the GPU's tuned file from a sweep
+    python benchmarks/attention_decode.py --config-from sweep.json --write-config X.json   # from a recorded sweep
 
 Every row: correctness against the float64 reference first (relative L2 error on the active rows), then
 each variant captured in a CUDA graph of `--inner` calls and replayed `--rounds` times, variants interleaved
@@ -76,7 +79,7 @@ def decode_row(B, Hq, Hkv, D, ctx, group_size, capacity, dtype, device, inner, r
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from wide_compile.kernels.attn_decode import attn_decode_ref, attn_decode_triton
+    from wide_compile.kernels.attn_decode import DEFAULT_CONFIG, attn_decode_ref, attn_decode_triton, tuned_config
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, 1, D, generator=gen).to(dtype).to(device)
@@ -102,7 +105,8 @@ def decode_row(B, Hq, Hkv, D, ctx, group_size, capacity, dtype, device, inner, r
     times = {n: _stats(t) for n, t in _time_graphs(fns, inner, rounds, device).items()}
     kv_bytes = 2 * B * Hkv * ctx * D * q.element_size()
     row = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "ctx": ctx, "group_size": group_size, "capacity": capacity,
-           "dtype": str(dtype).replace("torch.", ""), "kv_heads_read": kv_read, "rel_err": err, "times": times}
+           "dtype": str(dtype).replace("torch.", ""), "kv_heads_read": kv_read, "rel_err": err, "times": times,
+           "config": {**DEFAULT_CONFIG, **tuned_config(B, Hkv, ctx, device)}}
     if device.type == "cuda":
         med = {n: t["median_ms"] for n, t in times.items()}
         row["speedup_vs_sdpa"] = med["sdpa"] / med["wide"]
@@ -116,9 +120,9 @@ def decode_row(B, Hq, Hkv, D, ctx, group_size, capacity, dtype, device, inner, r
 SWEEP = {"block_n": (32, 64, 128), "programs_per_sm": (2, 4, 8, 16), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 
 
-def sweep_rows(Hq, Hkv, D, shapes, group_size, capacity, dtype, device, inner, rounds) -> list:
-    """Every config of SWEEP on each (B, ctx), timed in one interleaved set per shape (configs whose
-    shared memory does not fit are recorded with their error)."""
+def sweep_rows(Hq, Hkv, D, shapes, group_size, capacity, dtype, device, inner, rounds, grid=SWEEP) -> list:
+    """Every config of `grid` (default SWEEP) on each (B, ctx), timed in one interleaved set per shape (configs
+    whose shared memory does not fit are recorded with their error)."""
     import itertools
 
     from wide_compile.kernels.attn_decode import attn_decode_triton
@@ -132,8 +136,8 @@ def sweep_rows(Hq, Hkv, D, shapes, group_size, capacity, dtype, device, inner, r
         hm = _masks(B, Hq // group_size, capacity, gen).to(device)
         want = attn_decode_triton(q, k, v, hm, group_size)
         fns, errors = {}, {}
-        for vals in itertools.product(*SWEEP.values()):
-            cfg = dict(zip(SWEEP, vals))
+        for vals in itertools.product(*grid.values()):
+            cfg = dict(zip(grid, vals))
             name = json.dumps(cfg, sort_keys=True)
             try:
                 got = attn_decode_triton(q, k, v, hm, group_size, config=cfg)
@@ -146,11 +150,28 @@ def sweep_rows(Hq, Hkv, D, shapes, group_size, capacity, dtype, device, inner, r
             fns[name] = (lambda c: (lambda: attn_decode_triton(q, k, v, hm, group_size, config=c)))(cfg)
         times = {n: _stats(t) for n, t in _time_graphs(fns, inner, rounds, device).items()}
         best = min(times, key=lambda n: times[n]["median_ms"]) if device.type == "cuda" else None
-        rows.append({"B": B, "ctx": ctx, "group_size": group_size, "capacity": capacity, "times": times,
+        rows.append({"B": B, "Hkv": Hkv, "ctx": ctx, "group_size": group_size, "capacity": capacity, "times": times,
                      "errors": errors, "best": best})
         print(f"sweep B {B} ctx {ctx}: best {best} "
               f"{times[best]['median_ms'] * 1e3 if best else float('nan'):.1f}us", flush=True)
     return rows
+
+
+def tuned_file(sweep: dict, source: str, default_hkv: int) -> dict:
+    """A sweep record -> the tuned file attn_decode reads (configs/attn_decode/<GPU>.json): each swept shape's
+    fastest config with its time, the device and the record it comes from. Rows without a best (CPU) are refused."""
+    from wide_compile.kernels.attn_decode import check_tuned
+
+    rows = []
+    for r in sweep["rows"]:
+        if not r.get("best"):
+            raise SystemExit(f"{source}: sweep row B {r['B']} ctx {r['ctx']} has no best config (a CPU dry run?)")
+        rows.append({"B": r["B"], "Hkv": r.get("Hkv", default_hkv), "ctx": r["ctx"], "config": json.loads(r["best"]),
+                     "median_us": round(r["times"][r["best"]]["median_ms"] * 1e3, 2)})
+    out = {"device": sweep["machine"]["device"], "source": source, "command": sweep.get("command", ""),
+           "date": sweep.get("date", ""), "rows": rows}
+    check_tuned(out, source)
+    return out
 
 
 def machine(device) -> dict:
@@ -163,7 +184,7 @@ def machine(device) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write (the table or the sweep; not needed with --config-from)")
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--group-sizes", type=int, nargs="+", default=[4, 1],
@@ -175,8 +196,23 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--sweep", action="store_true",
                     help="time every config of SWEEP at ctx 4096 / 16384, batch 1 / 8, instead of the table")
+    ap.add_argument("--grid", type=json.loads, default=None,
+                    help='JSON {key: [values]} replacing SWEEP\'s grid, e.g. \'{"block_n": [64, 128]}\'')
+    ap.add_argument("--write-config", default=None, metavar="PATH",
+                    help="write the sweep's fastest config per shape as a tuned file (attn_decode reads "
+                         "wide_compile/kernels/configs/attn_decode/<GPU name>.json)")
+    ap.add_argument("--config-from", default=None, metavar="SWEEP_JSON",
+                    help="no timing: write --write-config from this recorded sweep")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     a = ap.parse_args(argv)
+    if a.config_from or a.write_config:
+        if not (a.write_config and (a.sweep or a.config_from)):
+            raise SystemExit("--write-config takes its configs from --sweep or from --config-from SWEEP_JSON")
+    if a.config_from:
+        rec = json.loads(Path(a.config_from).read_text())
+        return _write_tuned(a.write_config, tuned_file(rec, a.config_from, a.heads[1]))
+    if not a.out:
+        raise SystemExit("--out is needed: the JSON file the table or the sweep is written to")
     if a.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         a.ctx, a.batch, a.heads, a.inner, a.rounds = [70], [2], [8, 2, 16], 1, 2
@@ -188,10 +224,17 @@ def main(argv=None) -> None:
     Hq, Hkv, D = a.heads
     if a.sweep:
         shapes = [(B, c) for B in a.batch for c in a.ctx if c >= 4096] or [(a.batch[0], a.ctx[-1])]
-        rec = {"what": "decode attention config sweep", "machine": machine(device), "sweep": SWEEP,
+        grid = {**SWEEP, **(a.grid or {})}
+        bad = sorted(set(grid) - set(SWEEP))
+        if bad:
+            raise SystemExit(f"--grid keys {bad} are not config keys; they are {sorted(SWEEP)}")
+        rec = {"what": "decode attention config sweep", "machine": machine(device), "sweep": grid,
                "rows": sweep_rows(Hq, Hkv, D, shapes, a.group_sizes[0], a.capacity, dtype, device, a.inner,
-                                  a.rounds)}
-        return _write(a, argv, rec)
+                                  a.rounds, grid)}
+        rec = _write(a, argv, rec)
+        if a.write_config:
+            _write_tuned(a.write_config, tuned_file(rec, a.out, Hkv))
+        return None
     rows = []
     for gs in a.group_sizes:
         for B in a.batch:
@@ -205,12 +248,19 @@ def main(argv=None) -> None:
     _write(a, argv, {"what": "decode attention kernel table", "machine": machine(device), "rows": rows})
 
 
-def _write(a, argv, rec: dict) -> None:
+def _write(a, argv, rec: dict) -> dict:
     rec = {**rec, "command": " ".join(["benchmarks/attention_decode.py", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
     print(f"wrote {a.out}")
+    return rec
+
+
+def _write_tuned(path: str, tuned: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(tuned, indent=1) + "\n")
+    print(f"wrote {path}: " + "; ".join(f"B {r['B']} ctx {r['ctx']} {r['config']}" for r in tuned["rows"]))
 
 
 if __name__ == "__main__":

@@ -54,9 +54,13 @@
 #                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1);
 #                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows, LEAN_8B=0
 #                          the 8B rows; LEAN_ARGS adds bench_e2e options to the 8B rows (e.g. --head-group-size 4
-#                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_TESTS=0 skips the tests
+#                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_TESTS=0 skips the tests;
+#                          LEAN_SMOL_PHASES picks the SmolLM2 phases (default "decode prefill"), LEAN_SMOL_NAME a
+#                          suffix to their files
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
-#                          prefill table with its tile sweep (benchmarks/results/attention/)
+#                          prefill table with its tile sweep (benchmarks/results/attention/); a GPU without a tuned
+#                          decode file (kernels/configs/attn_decode/) is swept first and its file written there
+#                          (and into $OUT); ATTN_PREFILL_SWEEP= (empty) times the prefill's default tiles only
 #   bucket                 the bucketed MLP (wide.mlp_bucket, structured masks) compiled on CUDA (its tests), then
 #                          the MLP-block table against dense / static / free masks with its tile sweep into
 #                          $OUT/bucket/ (benchmarks/bench_bucket_mlp.py; BUCKET_ARGS adds options)
@@ -382,7 +386,15 @@ step() {
   attention)
     TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_attn_prefill.py \
       tests/test_kernel_attn_decode.py 2>&1 | tail -4
-    timeout 230 python3 benchmarks/bench_attention.py --what prefill --sweep --out "$OUT/attn-prefill.json" | tail -6
+    local tuned
+    tuned="wide_compile/kernels/configs/attn_decode/$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))').json"
+    if [ ! -f "$tuned" ]; then  # a GPU without a tuned decode file gets one first, which the later rows run on
+      timeout 200 python3 benchmarks/attention_decode.py --sweep --batch 1 8 --ctx 4096 16384 --inner 20 --rounds 7 \
+        --grid '{"block_n": [64, 128], "programs_per_sm": [2, 4, 8], "num_warps": [4], "num_stages": [2, 3]}' \
+        --out "$OUT/attn-decode-sweep.json" --write-config "$tuned" | tail -5 && cp "$tuned" "$OUT/"
+    fi
+    timeout 230 python3 benchmarks/bench_attention.py --what prefill ${ATTN_PREFILL_SWEEP---sweep} \
+      --out "$OUT/attn-prefill.json" | tail -6
     timeout 130 python3 benchmarks/attention_decode.py --out "$OUT/attn-decode.json" | tail -13 ;;
   bucket)
     mkdir -p "$OUT/bucket"
@@ -435,9 +447,10 @@ step() {
       --name e2e-h200-lean-8b${LEAN_NAME:-} ${LEAN_ARGS:-}
     [ "${LEAN_SMOL:-1}" = 1 ] || return 0
     e2e e2e-lean-smollm2 "${LEAN_SMOL_TIMEOUT:-170}" --models smollm2-135m --smollm2-weights random \
-      --phases decode prefill --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 --prefill-batch 1 \
-      --capacities 0.5 --masks random --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} \
-      "${SHORT[@]}" --no-plot --name e2e-h200-lean-smollm2 ;;
+      --phases ${LEAN_SMOL_PHASES:-decode prefill} --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 \
+      --prefill-batch 1 --capacities 0.5 --masks random \
+      --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} "${SHORT[@]}" --no-plot \
+      --name e2e-h200-lean-smollm2${LEAN_SMOL_NAME:-} ;;
   tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
     local d
     for d in .data/train-text .data/train-text-gz; do

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,37 @@ def test_sweep_and_the_active_row_check(tmp_path, monkeypatch):
         bench_attention.check_active_rows(ref.clone(), ref, mask, 1)
     good = torch.cat([ref[:, :1], torch.zeros(1, 1, 1, 4)], dim=1)
     assert bench_attention.check_active_rows(good, ref, mask, 1) == 0
+
+
+def test_tuned_file_from_a_sweep_record(tmp_path):
+    """--config-from SWEEP --write-config: each swept shape's fastest config, with its time and source; the
+    file round-trips through attn_decode's check and picks the recorded best per shape. A row without a best
+    (a CPU dry run) is refused."""
+    import attention_decode
+
+    from wide_compile.kernels import attn_decode as AD
+
+    cfg = lambda n: json.dumps({"block_n": n, "num_stages": 2, "num_warps": 4, "programs_per_sm": 8},
+                               sort_keys=True)
+    rows = [{"B": B, "ctx": ctx, "best": cfg(best),
+             "times": {cfg(64): {"median_ms": 0.02 if best == 128 else 0.01},
+                       cfg(128): {"median_ms": 0.01 if best == 128 else 0.02}}}
+            for B, ctx, best in [(1, 4096, 64), (8, 16384, 128)]]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"machine": {"device": "GPU X"}, "rows": rows, "command": "c", "date": "d"}))
+    out = tmp_path / "GPU_X.json"
+    attention_decode.main(["--config-from", str(sweep), "--write-config", str(out)])
+    tuned = json.loads(out.read_text())
+    assert tuned["device"] == "GPU X" and tuned["source"] == str(sweep)
+    assert [(r["B"], r["Hkv"], r["ctx"], r["config"]["block_n"], r["median_us"]) for r in tuned["rows"]] == [
+        (1, 8, 4096, 64, 10.0), (8, 8, 16384, 128, 10.0)]
+    assert AD.nearest_config(AD.check_tuned(tuned, "t"), 8, 8, 8192)["block_n"] == 128
+    rows[0]["best"] = None
+    sweep.write_text(json.dumps({"machine": {"device": "cpu"}, "rows": rows}))
+    with pytest.raises(SystemExit, match="no best config"):
+        attention_decode.main(["--config-from", str(sweep), "--write-config", str(out)])
+    with pytest.raises(SystemExit, match="--write-config takes"):
+        attention_decode.main(["--config-from", str(sweep)])
 
 
 def test_decode_dry_run_writes_checked_rows(tmp_path):

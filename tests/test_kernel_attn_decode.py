@@ -130,6 +130,50 @@ def test_splits_cover_the_context():
         assert split_len % AD.BLOCK_N == 0 and (S - 1) * split_len < L <= S * split_len
 
 
+TUNED_ROWS = [{"B": 1, "Hkv": 8, "ctx": 4096, "config": {"programs_per_sm": 8}},
+              {"B": 1, "Hkv": 8, "ctx": 16384, "config": {"programs_per_sm": 2}},
+              {"B": 8, "Hkv": 8, "ctx": 4096, "config": {"num_stages": 2}},
+              {"B": 8, "Hkv": 8, "ctx": 16384, "config": {"num_stages": 3}}]
+
+
+@pytest.mark.parametrize("B, Hkv, L, want", [
+    (1, 8, 16384, {"programs_per_sm": 2}), (8, 8, 16384, {"num_stages": 3}),
+    (1, 8, 1024, {"programs_per_sm": 8}),        # nearest in log context: 4096
+    (8, 8, 65536, {"num_stages": 3}), (4, 8, 4096, {"num_stages": 2}),
+    (8, 8, 8192, {"num_stages": 3}), (1, 8, 8192, {"programs_per_sm": 2}),   # ties in context: the longer
+    (2, 32, 16384, {"num_stages": 3}),           # 64 (sequence, KV head) pairs, as B 8 x 8
+])
+def test_tuned_config_takes_the_nearest_swept_shape(B, Hkv, L, want):
+    assert AD.nearest_config(TUNED_ROWS, B, Hkv, L) == want
+    assert AD.nearest_config([], B, Hkv, L) == {}
+
+
+def test_tuned_file_is_checked_and_used(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="non-empty 'rows'"):
+        AD.check_tuned({"rows": []}, "x.json")
+    with pytest.raises(ValueError, match="positive integers"):
+        AD.check_tuned({"rows": [{"B": 0, "Hkv": 8, "ctx": 4096, "config": {}}]}, "x.json")
+    with pytest.raises(ValueError, match="config keys"):
+        AD.check_tuned({"rows": [{"B": 1, "Hkv": 8, "ctx": 4096, "config": {"BLOCK_M": 64}}]}, "x.json")
+    # every shipped tuned file passes the check
+    for path in AD.TUNED_DIR.glob("*.json"):
+        AD._tuned_rows.cache_clear()
+        assert AD._tuned_rows(path.stem)
+    # the kernel runs the shape's tuned config: a file asking for 16-key blocks gives 16-key splits
+    monkeypatch.setattr(AD, "tuned_config", lambda B, Hkv, L, device: {"block_n": 16, "programs_per_sm": 64})
+    seen = {}
+    real = AD.num_splits
+
+    def spy(B, Hkv, L, device, block_n, programs_per_sm):
+        seen.update(block_n=block_n, programs_per_sm=programs_per_sm)
+        return real(B, Hkv, L, device, block_n, programs_per_sm)
+
+    monkeypatch.setattr(AD, "num_splits", spy)
+    q, k, v, gen = case(2, 8, 2, 70, 16, torch.float32, seed=4)
+    check(q, k, v, head_mask(2, 2, 0.5, gen), 4)
+    assert seen == {"block_n": 16, "programs_per_sm": 64}
+
+
 def test_inactive_kv_heads_are_not_computed(monkeypatch):
     """The split kernel never touches a (sequence, KV head) whose query heads are all inactive: its partials
     keep the sentinel they were allocated with (the bytes of that KV head are never read)."""

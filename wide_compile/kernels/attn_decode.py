@@ -19,7 +19,10 @@ A query with no visible key gets 0 (SDPA would give NaN there).
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -27,13 +30,59 @@ import triton
 import triton.language as tl
 
 from .reorder import _as_uint8, _launcher
-from .tuning import interpreting
+from .tuning import cuda_device_key, interpreting
 
 MIN_BLOCK_H = 16        # a tl.dot needs at least 16 rows: the n_rep query heads of one KV head, padded
 # block_n: keys per inner step; programs_per_sm: the context is split until each SM has about this many
 # (b, kv, split) programs, active or not; num_warps / num_stages of the split kernel
 DEFAULT_CONFIG = {"block_n": 128, "programs_per_sm": 8, "num_warps": 4, "num_stages": 2}
 BLOCK_N = DEFAULT_CONFIG["block_n"]
+# A GPU with a tuned file (configs/attn_decode/<GPU name>.json, written by benchmarks/attention_decode.py
+# --sweep --write-config: the sweep's fastest config per swept shape) runs each call with the config of the swept
+# shape nearest to it in (log sequences x KV heads, log context); DEFAULT_CONFIG is the fallback.
+TUNED_DIR = Path(__file__).with_name("configs") / "attn_decode"
+
+
+def nearest_config(rows, B: int, Hkv: int, L: int) -> dict:
+    """rows: [{"B", "Hkv", "ctx", "config"}] -> the config of the row nearest to (B * Hkv, L) in log2 units
+    (ties: the larger swept shape); {} without rows."""
+    if not rows:
+        return {}
+
+    def dist(r):
+        return (abs(math.log2(r["B"] * r["Hkv"] / (B * Hkv))) + abs(math.log2(r["ctx"] / L)),
+                -r["B"] * r["Hkv"], -r["ctx"])
+    return dict(min(rows, key=dist)["config"])
+
+
+def check_tuned(d: dict, where: str) -> list:
+    """A tuned file's rows, checked: each names B, Hkv, ctx (positive ints) and a config of DEFAULT_CONFIG's keys."""
+    rows = d.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{where}: a decode attention tuned file needs a non-empty 'rows' list (regenerate it with "
+                         "benchmarks/attention_decode.py --sweep --write-config)")
+    for r in rows:
+        if not all(isinstance(r.get(k), int) and r[k] > 0 for k in ("B", "Hkv", "ctx")):
+            raise ValueError(f"{where}: row {r} needs positive integers B, Hkv and ctx")
+        bad = sorted(set(r.get("config", {})) - set(DEFAULT_CONFIG)) if isinstance(r.get("config"), dict) else ["?"]
+        if bad:
+            raise ValueError(f"{where}: row {r} has config keys {bad} outside {sorted(DEFAULT_CONFIG)}")
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_rows(key: str) -> tuple:
+    path = TUNED_DIR / f"{key}.json"
+    if not path.exists():
+        return ()
+    with open(path) as f:
+        return tuple(check_tuned(json.load(f), str(path)))
+
+
+def tuned_config(B: int, Hkv: int, L: int, device) -> dict:
+    """The tuned file's config for this shape on `device`: {} under the interpreter, off CUDA or without a file."""
+    key = None if interpreting() else cuda_device_key(device)
+    return nearest_config(_tuned_rows(key), B, Hkv, L) if key is not None else {}
 
 
 def check_groups(num_heads: int, num_kv_heads: int, group_size: int, who: str = "") -> int:
@@ -191,12 +240,13 @@ def attn_decode_triton(q, k, v, head_mask, group_size: int, key_mask: Optional[t
                        scale: Optional[float] = None, *, config: Optional[dict] = None,
                        wrap: bool = False) -> torch.Tensor:
     """q [B, Hq, 1, d], k / v [B, Hkv, L, d] (last dim contiguous), head_mask [B, G] bool, key_mask [B, L]
-    bool or None -> [B, Hq, 1, d] (see the module docstring). config: DEFAULT_CONFIG's fields to change."""
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    bool or None -> [B, Hq, 1, d] (see the module docstring). config: fields to change in the shape's config
+    (DEFAULT_CONFIG, then the GPU's tuned file: `tuned_config`)."""
     B, Hq, Tq, D = q.shape
     if Tq != 1:
         raise ValueError(f"attn_decode takes one query token per sequence, got {Tq}")
     Hkv, L = k.shape[1], k.shape[2]
+    cfg = {**DEFAULT_CONFIG, **tuned_config(B, Hkv, L, q.device), **(config or {})}
     n_rep = check_groups(Hq, Hkv, group_size)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("attn_decode needs K / V with a contiguous last (head_dim) dimension")
