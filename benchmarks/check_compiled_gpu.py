@@ -279,7 +279,7 @@ def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
         names.append("tiny:llama:bf16x2:default")
     if device.type == "cuda" and not quick:
         names.append("tiny:llama:random:reduce-overhead")
-        names += [f"tiny:{a}:constant:sparse-attention" for a in ("llama", "qwen2")]
+        names += [f"tiny:{a}:constant:sparse-attention" for a in ("llama", "mistral", "qwen2")]
     if not quick:
         # greedy generate() identical: in fp32, where compiled and eager router decisions cannot drift apart
         # through bf16 rounding (in bf16 a decision that flips somewhere in a 30-layer model changes the

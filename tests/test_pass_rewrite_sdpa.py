@@ -3,7 +3,8 @@ wide.attn_prefill (a causal prefill without a cache), compiled through Inductor 
 references), against the eager WIDE reference (wc.attach) on a separate copy of the model.
 
 fp32, tolerance 1e-5 on the logits. Counters say which rewrite ran; a grouping that straddles KV heads keeps
-sdpa dense with the reason in explain()."""
+sdpa dense with the reason in explain(), and so does a grouping that is not KV-aligned under the default
+sparse_attention="auto"."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -94,9 +95,38 @@ def test_groups_straddling_kv_heads_keep_sdpa_dense():
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-def test_sparse_attention_is_opt_in():
+def test_sparse_attention_choices():
     from wide_compile.passes.manager import default_passes
     from wide_compile.passes.rewrite_sdpa import RewriteSDPA
 
-    assert not any(isinstance(p, RewriteSDPA) for p in default_passes())
-    assert isinstance(default_passes(sparse_attention=True)[-1], RewriteSDPA)
+    def rewrite(passes):
+        return [p for p in passes if isinstance(p, RewriteSDPA)]
+
+    assert [p.kv_aligned_only for p in rewrite(default_passes())] == [True]           # "auto"
+    assert [p.kv_aligned_only for p in rewrite(default_passes(sparse_attention=True))] == [False]
+    assert rewrite(default_passes(sparse_attention=False)) == []
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="sparse_attention must be"):
+            default_passes(sparse_attention=bad)
+    with pytest.raises(ValueError, match="sparse_attention must be"):
+        wc.optimize(tiny_model("llama"), _routers(tiny_model("llama"), 2), sparse_attention="on")
+
+
+@pytest.mark.parametrize("head_group_size, rewritten", [(2, 2), (1, 0)])   # tiny llama: 2 query heads per KV head
+def test_auto_rewrites_kv_aligned_groups_only(head_group_size, rewritten):
+    """optimize's default (sparse_attention="auto"): KV-aligned groups run wide.attn_decode, 1-head groups keep
+    sdpa with the reason in explain(); both equal the eager reference."""
+    counters.clear()
+    torch._dynamo.reset()
+    ids, nxt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 1))
+    model = tiny_model("llama")
+    r = _routers(model, head_group_size)
+    got = _prefill_then_decode(wc.optimize(model, r), ids, nxt)
+    assert counters["wide"]["rewrite_sdpa.decode"] == rewritten
+    if not rewritten:
+        assert counters["wide"]["rewrite_sdpa.kept_dense"] >= 2
+        assert "KV-aligned head groups only" in str(wc.explain(model))
+    ref_model = tiny_model("llama")
+    wc.attach(ref_model, r)
+    for g, w in zip(got, _prefill_then_decode(ref_model, ids, nxt)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

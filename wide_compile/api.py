@@ -54,16 +54,20 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
              projection runs; default the tuning table's paths, "auto" the cost model's pick per token count;
              mask_stats: what the cost model assumes of the masks, default the routers' target capacity; kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
-             for CUDA graphs, Inductor patches).
+             for CUDA graphs, Inductor patches; sparse_attention="auto" | True | False: attention itself over
+             the active head groups only, "auto" where the head groups are KV-aligned, see
+             passes.manager.default_passes).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects an nn.Module, got {type(model).__name__}")
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
     from .passes.cost_model import KERNEL_PATHS
+    from .passes.manager import check_sparse_attention
 
     if options.get("kernel_path", "auto") not in KERNEL_PATHS:  # a bad choice fails here, not in a compile
         raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {options['kernel_path']!r}")
+    check_sparse_attention(options.get("sparse_attention", "auto"))
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 

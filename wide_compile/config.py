@@ -41,7 +41,8 @@ class WideConfig:
                      computed for every token, so any divisor of the number of query heads is valid,
                      also under GQA (a query-head group may span or split a KV group). "kv": the query
                      heads that share one KV head (resolved per model by `for_model`), the grouping under
-                     which attention can skip reading whole KV heads (`optimize(..., sparse_attention=True)`).
+                     which attention skips reading whole KV heads (optimize rewrites such blocks by default:
+                     sparse_attention="auto").
     capacity:        target FLOP-weighted capacity in (0, 1] (DESIGN.md): used by training's capacity
                      regulariser and by `Routers.calibrate_`; inference itself is whatever routers decide.
     router_hidden:   0 = linear router (D -> G); >0 = two-layer router D -> router_hidden -> G (SiLU).

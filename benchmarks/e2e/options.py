@@ -271,7 +271,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "queries and keys have the same length (unpadded prefill), or gqa_decode: sdpa_unpadded "
                         "with decode through wide.attn_decode's kernel, every head on (e2e/attention.py)")
     p.add_argument("--sparse-attention", action="store_true",
-                   help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True))")
+                   help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True)); "
+                        "without it the rows pass sparse_attention=False, whatever optimize's default")
     p.add_argument("--kernel-path", default="auto", choices=("auto", "table", "dense", "compact"),
                    help="the path of each routed projection (optimize(..., kernel_path=)): the cost model's choice "
                         "per token count (auto), the tuning table's, or forced dense-masked / compact; the choice "

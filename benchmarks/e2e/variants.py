@@ -129,13 +129,15 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
             info["paths"] = paths_summary(reports) + (" + fused norm/router" if rep.counts.get(
                 "fuse_norm_router.fused") else "")
 
-    own = {**({"kernel_config": kc} if kc else {}),
-           **({"sparse_attention": True} if options.sparse_attention else {})}
+    own = {**({"kernel_config": kc} if kc else {})}
     if options.wide_entry == "optimize" or options.wide_backend == "wide":  # the project's backend's own options
+        # sparse_attention stated either way, so a row means the same whatever optimize's default is
         own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
-                   fuse_norm_router=options.fuse_norm_router)
+                   fuse_norm_router=options.fuse_norm_router, sparse_attention=bool(options.sparse_attention))
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
+    elif options.sparse_attention:
+        own["sparse_attention"] = True
     if options.wide_entry == "optimize":
         import wide_compile as wc
 

@@ -60,7 +60,12 @@ def _kv_heads_ok(Hq: int, Hkv: int, heads_per_group: int) -> str | None:
 
 
 class RewriteSDPA(Pass):
+    """kv_aligned_only (optimize's sparse_attention="auto"): only blocks whose head groups are whole KV heads
+    are rewritten; the others keep sdpa and the report says why."""
     name = "rewrite_sdpa"
+
+    def __init__(self, kv_aligned_only: bool = False):
+        self.kv_aligned_only = kv_aligned_only
 
     def __call__(self, ctx: PassContext) -> None:
         order = node_index(ctx.gm)
@@ -96,6 +101,11 @@ class RewriteSDPA(Pass):
         why = _kv_heads_ok(Hq, ks[1], hg)
         if why:
             return why
+        n_rep = Hq // ks[1]
+        if self.kv_aligned_only and hg % n_rep:
+            return (f"sparse_attention='auto' rewrites KV-aligned head groups only: groups of {hg} head(s), {n_rep} "
+                    "query heads per KV head, so a decode step would still read nearly every KV head "
+                    "(WideConfig(head_group_size='kv') aligns them; sparse_attention=True rewrites anyway)")
         if Tq == 1 and not causal:
             key_mask = None
             if mask is not None:
