@@ -106,6 +106,10 @@
 #   join_parts             a file too big to carry beside the tree (a rank-64 LoRA), carried in parts over several calls:
 #                          .data/parts/pK/NAME.part.XX and NAME.sha256 ("SHA  NAME"), joined into $C/NAME when all are there
 #   lora_cut               CUT_RUNS='SRC DST RANK': run DST gets run SRC's routers and its LoRA cut to RANK
+#   wikival                needs setup: WIKIVAL_RUNS='SRC DST CAP; ...': run DST = run SRC's routers moved by one margin
+#                          offset to capacity CAP measured on 8,192 tokens of WikiText-2 validation text
+#                          (benchmarks/recalibrate_capacity.py --calib-file), with SRC's LoRA, then scored (ppl and
+#                          generation: eval_quality) into DST's quality/; the record and log come back in $OUT/DST/
 #   answers                needs setup + tokens: the dense model's greedy chat answers to ANSWERS_N (8192) prompts
 #                          built from the train text (python -m wide_compile.training answers), packed into 512-token
 #                          blocks at /root/wcache/answers.npy; its record comes back as $OUT/answers.json
@@ -539,6 +543,18 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
         python3 -m wide_compile.training lora-rank "$C/runs/$src/lora.safetensors" --rank "$rank" \
           --out "$C/runs/$dst/lora.safetensors" | tail -2
     done < <(echo "${CUT_RUNS:-}" | tr ';' '\n') ;;
+  wikival)
+    local src dst cap
+    while read -r src dst cap; do
+      [ -z "$src" ] && continue
+      mkdir -p "$C/runs/$dst" "$OUT/$dst" && cp "$C/runs/$src/lora.safetensors" "$C/runs/$dst/" &&
+        python3 benchmarks/recalibrate_capacity.py --routers "$C/runs/$src/routers.safetensors" \
+          --lora "$C/runs/$src/lora.safetensors" --capacity "$cap" --calib-file "$C/data/wikitext-2/wiki.valid.raw" \
+          --calib-tokens 8192 --out "$C/runs/$dst/routers.safetensors" > "$OUT/$dst/recalibrate.log" 2>&1 &&
+        cp "$C/runs/$dst/routers.json" "$OUT/$dst/recalibrate.json" && tail -1 "$OUT/$dst/recalibrate.log" &&
+        eval_quality "$dst" "$C/runs/$dst/routers.safetensors" "$C/runs/$dst/lora.safetensors" \
+          "$C/runs/$dst/quality" "$OUT/$dst/quality.log"
+    done < <(echo "${WIKIVAL_RUNS:-}" | tr ';' '\n') ;;
   pack_out)
     local name="out-$(date +%H%M%S).tgz"
     (cd "$OUT" && find . -type f ! -name 'out-*.tgz' | sort > /tmp/pack_out.list &&

@@ -576,6 +576,43 @@ def test_gpu_calls_distill_start_sets(tmp_path):
     assert all(arg(x, "--capacity") == "0.7" and arg(x, "--out") == "/c/runs/n" for x in lines)
 
 
+def test_gpu_calls_wikival_step(tmp_path):
+    """The wikival step (scripts/gpu_calls.sh): per WIKIVAL_RUNS entry, recalibrate_capacity.py moves run SRC's
+    routers to CAP on WikiText-2 validation text into run DST (options its parser has), DST gets SRC's LoRA, and
+    eval_quality scores DST's routers and LoRA."""
+    import re
+    import subprocess
+
+    text = (ROOT / "scripts" / "gpu_calls.sh").read_text()
+    assert re.search(r"^#   wikival ", text, re.M)
+    start = text.index("  wikival)")
+    body = text[text.index("\n", start) + 1:text.index(";;", start)]
+    c, out = tmp_path / "c", tmp_path / "out"
+    (c / "runs" / "m50").mkdir(parents=True)
+    (c / "runs" / "m50" / "lora.safetensors").write_text("lora")
+    script = (f"C={c} OUT={out}; " + """
+    python3() { echo "python3 $*" >> "$OUT/calls"; o=; while [ $# -gt 0 ]; do [ "$1" = --out ] && o=$2; shift; done
+                [ -n "$o" ] && echo '{}' > "${o%.safetensors}.json" && echo recal > "$o"; echo "moved"; }
+    eval_quality() { echo "eval $*" >> "$OUT/calls"; }
+    WIKIVAL_RUNS="m50 m50v 0.5; " 
+    f() { local src dst cap
+""" + body + "\n}; f")
+    subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    calls = (out / "calls").read_text().splitlines()
+    assert len(calls) == 2 and calls[0].startswith("python3 benchmarks/recalibrate_capacity.py")
+    words = calls[0].split()[2:]
+    arg = {words[i]: words[i + 1] for i in range(0, len(words), 2)}
+    assert arg["--routers"] == f"{c}/runs/m50/routers.safetensors" and arg["--lora"] == f"{c}/runs/m50/lora.safetensors"
+    assert arg["--capacity"] == "0.5" and arg["--calib-file"] == f"{c}/data/wikitext-2/wiki.valid.raw"
+    assert arg["--out"] == f"{c}/runs/m50v/routers.safetensors"
+    known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', (ROOT / "benchmarks" / "recalibrate_capacity.py").read_text()))
+    assert set(arg) <= known, set(arg) - known
+    assert calls[1].split() == ["eval", "m50v", f"{c}/runs/m50v/routers.safetensors",
+                                f"{c}/runs/m50v/lora.safetensors", f"{c}/runs/m50v/quality", f"{out}/m50v/quality.log"]
+    assert (c / "runs" / "m50v" / "lora.safetensors").read_text() == "lora"
+    assert (out / "m50v" / "recalibrate.json").is_file()
+
+
 def test_gqa_decode_attention_matches_sdpa_in_decode():
     """e2e/attention.py's gqa_decode: transformers' SDPA logits in prefill and in decode steps against a
     static cache (the unwritten tail masked), where it runs wide.attn_decode with every head on; the WIDE
