@@ -302,6 +302,52 @@ def test_recalibrate_capacity_script_moves_a_free_set_to_the_target(monkeypatch,
         recalibrate_capacity.main(["--routers", "x", "--capacity", "1.5", "--out", str(out)])
 
 
+def test_capacity_split_script_rows(monkeypatch, tmp_path):
+    """benchmarks/capacity_split.py on a tiny model: every row keeps the overall capacity on the calibration
+    blocks, a split row sets the attention capacity, each row is scored on the evaluation blocks only (disjoint
+    from the calibration ones), the dense NLL is the model's own LM loss, and the shipped routers are not moved."""
+    import json
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import capacity_split
+
+    from wide_compile.training import convert as tconv
+
+    model = tiny_model("smollm2", seed=3)
+    free = _random_free(model, FREE_WIDE)
+    blocks = torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(2))
+    free.calibrate_(model, blocks[:2], capacity=0.5)
+    before = {k: v.clone() for k, v in free.state_dict().items()}
+    asked = {}
+
+    def fake(routers, lora, n_blocks, seq_len, *a, **k):
+        asked.update(n_blocks=n_blocks, seq_len=seq_len, text_file=k.get("text_file"))
+        return model, free, blocks, "src.safetensors", None
+
+    monkeypatch.setattr(tconv, "free_routers_on_text", fake)
+    out = tmp_path / "split.json"
+    rec = capacity_split.main(["--routers", "x", "--capacity", "0.6", "--attn-targets", "0.3", "0.9",
+                               "--calib-tokens", "64", "--eval-tokens", "128", "--seq-len", "32",
+                               "--text-file", "t.raw", "--out", str(out)])
+    assert asked == {"n_blocks": 6, "seq_len": 32, "text_file": "t.raw"}
+    assert [r["attn_target"] for r in rec["rows"]] == [None, 0.3, 0.9]
+    for r in rec["rows"]:
+        assert r["capacity_calib"]["overall"] == pytest.approx(0.6, abs=0.01)
+        assert math.isfinite(r["nll"]) and r["nll"] > 0
+    assert rec["rows"][1]["capacity_calib"]["attn"] == pytest.approx(0.3, abs=0.05)
+    assert rec["rows"][2]["capacity_calib"]["attn"] == pytest.approx(0.9, abs=0.05)
+    with torch.no_grad():
+        dense = model(input_ids=blocks[2:], labels=blocks[2:]).loss.item()
+    assert rec["dense_nll"] == pytest.approx(dense, rel=1e-5) and rec["eval_tokens"] == 128
+    assert all(torch.equal(v, before[k]) for k, v in free.state_dict().items())
+    assert json.loads(out.read_text())["rows"] and "| 0.3 |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        capacity_split.main(["--routers", "x", "--capacity", "0.6", "--attn-targets", "1.5", "--out", str(out)])
+
+
 def test_free_routers_on_text_reads_blocks_from_a_raw_text_file(monkeypatch, tmp_path):
     """text_file (recalibrate_capacity --calib-file): the blocks are the file's tokens in order, cut to
     [n_blocks, seq_len]; a file too short for the blocks is one clear error."""

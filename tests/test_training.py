@@ -80,6 +80,19 @@ def test_calibrate_offset_hits_target():
     assert deterministic_capacity(model, routers, blocks)["overall"] == pytest.approx(0.6, abs=0.01)
 
 
+@pytest.mark.parametrize("attn_target", [0.35, 0.85])
+def test_calibrate_split_sets_attention_then_overall(attn_target):
+    from wide_compile.routing.calibrate import calibrate_split_
+
+    model = tiny_model("llama")
+    routers = wc.Routers.init(model, wc.WideConfig(ffn_group_size=16, capacity=0.6, router_init="random"))
+    blocks = _blocks().heldout
+    offs = calibrate_split_(model, routers, blocks, 0.6, attn_target, tol=0.01, log=lambda *_: None)
+    cap = deterministic_capacity(model, routers, blocks)
+    assert set(offs) == {"attn", "ffn"}
+    assert cap["attn"] == pytest.approx(attn_target, abs=0.02) and cap["overall"] == pytest.approx(0.6, abs=0.01)
+
+
 def test_stage2_lora_with_fixed_routers_reduces_kd(tmp_path):
     torch.manual_seed(0)
     model = tiny_model("llama")

@@ -5,6 +5,7 @@ real tokens hits a target.
   (for random-weight benchmark routers).
 * `calibrate_offset_`: one offset per router kind (attention, FFN) found by bisection, so each kind's
   deterministic capacity equals its target (for trained routers, after training).
+* `calibrate_split_`: the attention capacity set, the FFN routers then bring the overall capacity to its target.
 """
 from __future__ import annotations
 
@@ -158,6 +159,24 @@ def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int,
     off, _, c_off = _bisect_offset(rs, measure, target, tol, iters)
     tilt2, _, c1 = by_tilt()
     return off, c0, c1, f" (codebook width tilt {tilt:+.3f}, then prototype shift -> {c_off:.4f}, tilt {tilt2:+.3f})"
+
+
+@torch.no_grad()
+def calibrate_split_(model, routers, blocks: torch.Tensor, target: float, attn_target: float, tol: float = 0.003,
+                     iters: int = 18, batch_size: int = 8, log=print) -> dict:
+    """Move a trained set along its attention / FFN split at a fixed overall capacity: the attention routers'
+    offset brings the attention capacity on `blocks` to `attn_target`, then the FFN routers' offset brings the
+    overall capacity to `target`. Returns {"attn", "ffn"} offsets (the FFN routers read what the attention
+    routers leave, so the FFN offset is found second)."""
+    def measure(key):
+        return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size)[key]
+
+    out = {}
+    for kind, key, tgt in (("attn", "attn", attn_target), ("ffn", "overall", target)):
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(key), tgt, tol, iters)
+        log(f"calibrated {kind} router offset {off:+.3f}: {key} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
+        out[kind] = off
+    return out
 
 
 @torch.no_grad()
