@@ -28,7 +28,7 @@ def main(argv=None) -> dict:
     import torch
 
     from wide_compile.eval.records import command_line, machine
-    from wide_compile.routing.calibrate import calibrate_offset_, deterministic_capacity
+    from wide_compile.routing.calibrate import calibrate_offset_, calibrate_split_, deterministic_capacity
     from wide_compile.training.convert import free_routers_on_text
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,18 +43,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--calib-file", default=None,
                     help="a raw text file to measure the capacity on instead of the train text (e.g. "
                          "wikitext-2/wiki.valid.raw under the data root: the evaluation's domain, not its test file)")
+    ap.add_argument("--attn-capacity", type=float, default=None,
+                    help="set the attention capacity to this first; the FFN routers' offset then brings the overall "
+                         "capacity to --capacity (routing/calibrate.calibrate_split_; default: one global offset)")
     ap.add_argument("--tokens", default=None, help="token cache .npy (read if present)")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     if not 0.0 < a.capacity <= 1.0:
         ap.error(f"--capacity must be in (0, 1], got {a.capacity}")
+    if a.attn_capacity is not None and not 0.0 < a.attn_capacity <= 1.0:
+        ap.error(f"--attn-capacity must be in (0, 1], got {a.attn_capacity}")
     t0 = time.time()
     model, routers, blocks, src, lora = free_routers_on_text(a.routers, a.lora, a.calib_tokens // a.seq_len,
                                                              a.seq_len, a.device, a.gguf, a.data, a.tokens,
                                                              what="--calib-tokens", text_file=a.calib_file)
     before = deterministic_capacity(model, routers, blocks, batch_size=a.batch_size)
-    offset = calibrate_offset_(model, routers, blocks, a.capacity, batch_size=a.batch_size)
+    if a.attn_capacity is None:
+        offset = calibrate_offset_(model, routers, blocks, a.capacity, batch_size=a.batch_size)
+    else:
+        offset = calibrate_split_(model, routers, blocks, a.capacity, a.attn_capacity, batch_size=a.batch_size)
     after = deterministic_capacity(model, routers, blocks, batch_size=a.batch_size)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -62,10 +70,12 @@ def main(argv=None) -> dict:
     rec = {"command": command_line(argv, prog="python benchmarks/recalibrate_capacity.py"),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(a.device),
            "routers": a.routers, "routers_file": str(src), "lora": None if lora is None else str(lora),
-           "target": a.capacity, "offset": offset, "calib_tokens": blocks.numel(), "calib_file": a.calib_file,
+           "target": a.capacity, "attn_target": a.attn_capacity, "offset": offset, "calib_tokens": blocks.numel(), "calib_file": a.calib_file,
            "capacity_before": before, "capacity_after": after, "seconds": round(time.time() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(rec, indent=1))
-    print(f"{a.routers}: capacity {before['overall']:.4f} -> {after['overall']:.4f} (offset {offset:+.3f}) -> {out}")
+    moved = f"offset {offset:+.3f}" if a.attn_capacity is None else \
+        f"attn offset {offset['attn']:+.3f}, ffn offset {offset['ffn']:+.3f}; attn {after['attn']:.4f}"
+    print(f"{a.routers}: capacity {before['overall']:.4f} -> {after['overall']:.4f} ({moved}) -> {out}")
     return rec
 
 

@@ -106,8 +106,9 @@
 #   join_parts             a file too big to carry beside the tree (a rank-64 LoRA), carried in parts over several calls:
 #                          .data/parts/pK/NAME.part.XX and NAME.sha256 ("SHA  NAME"), joined into $C/NAME when all are there
 #   lora_cut               CUT_RUNS='SRC DST RANK': run DST gets run SRC's routers and its LoRA cut to RANK
-#   wikival                needs setup: WIKIVAL_RUNS='SRC DST CAP; ...': run DST = run SRC's routers moved by one margin
-#                          offset to capacity CAP measured on 8,192 tokens of WikiText-2 validation text
+#   wikival                needs setup: WIKIVAL_RUNS='SRC DST CAP [ATTN]; ...': run DST = run SRC's routers moved by one
+#                          margin offset to capacity CAP measured on 8,192 tokens of WikiText-2 validation text (with
+#                          ATTN: the attention capacity set to ATTN first, the FFN routers then bring it to CAP)
 #                          (benchmarks/recalibrate_capacity.py --calib-file), with SRC's LoRA, then scored (ppl and
 #                          generation: eval_quality) into DST's quality/; the record and log come back in $OUT/DST/
 #   answers                needs setup + tokens: the dense model's greedy chat answers to ANSWERS_N (8192) prompts
@@ -544,13 +545,14 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
           --out "$C/runs/$dst/lora.safetensors" | tail -2
     done < <(echo "${CUT_RUNS:-}" | tr ';' '\n') ;;
   wikival)
-    local src dst cap
-    while read -r src dst cap; do
+    local src dst cap attn
+    while read -r src dst cap attn; do
       [ -z "$src" ] && continue
       mkdir -p "$C/runs/$dst" "$OUT/$dst" && cp "$C/runs/$src/lora.safetensors" "$C/runs/$dst/" &&
         python3 benchmarks/recalibrate_capacity.py --routers "$C/runs/$src/routers.safetensors" \
           --lora "$C/runs/$src/lora.safetensors" --capacity "$cap" --calib-file "$C/data/wikitext-2/wiki.valid.raw" \
-          --calib-tokens 8192 --out "$C/runs/$dst/routers.safetensors" > "$OUT/$dst/recalibrate.log" 2>&1 &&
+          --calib-tokens 8192 ${attn:+--attn-capacity "$attn"} --out "$C/runs/$dst/routers.safetensors" \
+          > "$OUT/$dst/recalibrate.log" 2>&1 &&
         cp "$C/runs/$dst/routers.json" "$OUT/$dst/recalibrate.json" && tail -1 "$OUT/$dst/recalibrate.log" &&
         eval_quality "$dst" "$C/runs/$dst/routers.safetensors" "$C/runs/$dst/lora.safetensors" \
           "$C/runs/$dst/quality" "$OUT/$dst/quality.log"

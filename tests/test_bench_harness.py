@@ -594,19 +594,24 @@ def test_gpu_calls_wikival_step(tmp_path):
     python3() { echo "python3 $*" >> "$OUT/calls"; o=; while [ $# -gt 0 ]; do [ "$1" = --out ] && o=$2; shift; done
                 [ -n "$o" ] && echo '{}' > "${o%.safetensors}.json" && echo recal > "$o"; echo "moved"; }
     eval_quality() { echo "eval $*" >> "$OUT/calls"; }
-    WIKIVAL_RUNS="m50 m50v 0.5; " 
-    f() { local src dst cap
+    WIKIVAL_RUNS="m50 m50v 0.5; m50 m50s 0.5 0.8"
+    f() { local src dst cap attn
 """ + body + "\n}; f")
     subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
     calls = (out / "calls").read_text().splitlines()
-    assert len(calls) == 2 and calls[0].startswith("python3 benchmarks/recalibrate_capacity.py")
-    words = calls[0].split()[2:]
-    arg = {words[i]: words[i + 1] for i in range(0, len(words), 2)}
+    assert len(calls) == 4 and calls[0].startswith("python3 benchmarks/recalibrate_capacity.py")
+
+    def args(call):
+        words = call.split()[2:]
+        return {words[i]: words[i + 1] for i in range(0, len(words), 2)}
+
+    arg = args(calls[0])
+    assert "--attn-capacity" not in arg and args(calls[2])["--attn-capacity"] == "0.8"
     assert arg["--routers"] == f"{c}/runs/m50/routers.safetensors" and arg["--lora"] == f"{c}/runs/m50/lora.safetensors"
     assert arg["--capacity"] == "0.5" and arg["--calib-file"] == f"{c}/data/wikitext-2/wiki.valid.raw"
     assert arg["--out"] == f"{c}/runs/m50v/routers.safetensors"
     known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', (ROOT / "benchmarks" / "recalibrate_capacity.py").read_text()))
-    assert set(arg) <= known, set(arg) - known
+    assert set(arg) | set(args(calls[2])) <= known, (set(arg) | set(args(calls[2]))) - known
     assert calls[1].split() == ["eval", "m50v", f"{c}/runs/m50v/routers.safetensors",
                                 f"{c}/runs/m50v/lora.safetensors", f"{c}/runs/m50v/quality", f"{out}/m50v/quality.log"]
     assert (c / "runs" / "m50v" / "lora.safetensors").read_text() == "lora"

@@ -300,6 +300,11 @@ def test_recalibrate_capacity_script_moves_a_free_set_to_the_target(monkeypatch,
     assert deterministic_capacity(model, back, cal)["overall"] == pytest.approx(rec["capacity_after"]["overall"])
     with pytest.raises(SystemExit):
         recalibrate_capacity.main(["--routers", "x", "--capacity", "1.5", "--out", str(out)])
+    # --attn-capacity: the attention capacity first, then the overall one through the FFN routers
+    split = recalibrate_capacity.main(["--routers", "x", "--capacity", "0.6", "--attn-capacity", "0.9", "--out",
+                                       str(tmp_path / "split.safetensors"), "--calib-tokens", "128", "--seq-len", "32"])
+    assert split["capacity_after"]["overall"] == pytest.approx(0.6, abs=0.01)
+    assert split["capacity_after"]["attn"] == pytest.approx(0.9, abs=0.05) and set(split["offset"]) == {"attn", "ffn"}
 
 
 def test_capacity_split_script_rows(monkeypatch, tmp_path):
