@@ -28,21 +28,14 @@ sys.path.insert(0, ROOT)
 
 
 def block_nll(model, routers, blocks, batch_size: int = 8) -> float:
-    """Mean next-token NLL over `blocks` [N, S] with `routers` (None: dense), each block on its own."""
-    import torch
-
-    from wide_compile.eval.perplexity import token_nll
+    """Mean next-token NLL over `blocks` [N, S] with `routers` (None: dense), each block on its own (perplexity()
+    with non-overlapping windows of the block length)."""
+    from wide_compile.eval.perplexity import perplexity
     from wide_compile.routing.attach import routed
 
-    dev = next(model.parameters()).device
-    tot, n = 0.0, 0
-    with torch.no_grad(), routed(model, routers):
-        for i in range(0, len(blocks), batch_size):
-            ids = blocks[i:i + batch_size].to(dev)
-            nll = token_nll(model(input_ids=ids).logits, ids)    # [B, S-1]
-            tot += nll.double().sum().item()
-            n += nll.numel()
-    return tot / n
+    with routed(model, routers):
+        return perplexity(model, ids=blocks, ctx=blocks.shape[1], stride=blocks.shape[1], batch_size=batch_size,
+                          measure=False)["nll"]
 
 
 def split_rows(model, routers, calib, evalb, capacity: float, attn_targets, batch_size: int = 8,

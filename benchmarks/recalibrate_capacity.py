@@ -70,7 +70,8 @@ def main(argv=None) -> dict:
     rec = {"command": command_line(argv, prog="python benchmarks/recalibrate_capacity.py"),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(a.device),
            "routers": a.routers, "routers_file": str(src), "lora": None if lora is None else str(lora),
-           "target": a.capacity, "attn_target": a.attn_capacity, "offset": offset, "calib_tokens": blocks.numel(), "calib_file": a.calib_file,
+           "target": a.capacity, "attn_target": a.attn_capacity, "offset": offset, "calib_tokens": blocks.numel(),
+           "calib_file": a.calib_file,
            "capacity_before": before, "capacity_after": after, "seconds": round(time.time() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(rec, indent=1))
     moved = f"offset {offset:+.3f}" if a.attn_capacity is None else \

@@ -392,7 +392,8 @@ step() {
     TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_attn_prefill.py \
       tests/test_kernel_attn_decode.py 2>&1 | tail -4
     local tuned
-    tuned="wide_compile/kernels/configs/attn_decode/$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))').json"
+    tuned="wide_compile/kernels/configs/attn_decode/$(python3 -c \
+      'from wide_compile.kernels.tuning import cuda_device_key; print(cuda_device_key())').json"
     if [ ! -f "$tuned" ]; then  # a GPU without a tuned decode file gets one first, which the later rows run on
       timeout 200 python3 benchmarks/attention_decode.py --sweep --batch 1 8 --ctx 4096 16384 --inner 20 --rounds 7 \
         --grid '{"block_n": [64, 128], "programs_per_sm": [2, 4, 8], "num_warps": [4], "num_stages": [2, 3]}' \

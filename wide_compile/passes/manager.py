@@ -26,11 +26,8 @@ from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
 
 
-SPARSE_ATTENTION = ("auto", True, False)
-
-
 def check_sparse_attention(value) -> None:
-    if not any(value is v or (isinstance(v, str) and value == v) for v in SPARSE_ATTENTION):
+    if not (value is True or value is False or value == "auto"):
         raise ValueError(f"sparse_attention must be 'auto', True or False, got {value!r}")
 
 

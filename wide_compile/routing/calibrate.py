@@ -161,6 +161,21 @@ def _calibrate_kind(rs: list, measure, target: float, tol: float, iters: int,
     return off, c0, c1, f" (codebook width tilt {tilt:+.3f}, then prototype shift -> {c_off:.4f}, tilt {tilt2:+.3f})"
 
 
+def _calibrate_kinds(model, routers, blocks, steps, tol: float, iters: int, coarse: bool, batch_size: int,
+                     amp: bool, log) -> dict:
+    """steps: [(router kind, capacity key, target)] in order: each kind's routers get the offset that brings the
+    measured capacity `key` on `blocks` to its target. Returns {kind: offset}."""
+    out = {}
+    for kind, key, tgt in steps:
+        def measure(key=key):
+            return deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
+
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure, tgt, tol, iters, coarse)
+        log(f"calibrated {kind} router offset {off:+.3f}: {key} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
+        out[kind] = off
+    return out
+
+
 @torch.no_grad()
 def calibrate_split_(model, routers, blocks: torch.Tensor, target: float, attn_target: float, tol: float = 0.003,
                      iters: int = 18, batch_size: int = 8, log=print) -> dict:
@@ -168,15 +183,8 @@ def calibrate_split_(model, routers, blocks: torch.Tensor, target: float, attn_t
     offset brings the attention capacity on `blocks` to `attn_target`, then the FFN routers' offset brings the
     overall capacity to `target`. Returns {"attn", "ffn"} offsets (the FFN routers read what the attention
     routers leave, so the FFN offset is found second)."""
-    def measure(key):
-        return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size)[key]
-
-    out = {}
-    for kind, key, tgt in (("attn", "attn", attn_target), ("ffn", "overall", target)):
-        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(key), tgt, tol, iters)
-        log(f"calibrated {kind} router offset {off:+.3f}: {key} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
-        out[kind] = off
-    return out
+    return _calibrate_kinds(model, routers, blocks, [("attn", "attn", attn_target), ("ffn", "overall", target)],
+                            tol, iters, True, batch_size, False, log)
 
 
 @torch.no_grad()
@@ -189,18 +197,14 @@ def calibrate_offset_(model, routers, blocks: torch.Tensor, target: float, tol: 
     Without per-kind targets: one global offset for every router, overall capacity == `target` (returns the
     offset). With target_attn / target_ffn: the attention routers' offset brings the attention capacity to
     target_attn, then the FFN routers' offset the FFN capacity to target_ffn (returns {"attn", "ffn"})."""
-    def measure(key):
-        return lambda: deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)[key]
-
     if target_attn is None and target_ffn is None:
-        off, c0, c1, note = _calibrate_kind(learned_routers(routers), measure("overall"), target, tol, iters, coarse)
+        def measure():
+            return deterministic_capacity(model, routers, blocks, batch_size=batch_size, amp=amp)["overall"]
+
+        off, c0, c1, note = _calibrate_kind(learned_routers(routers), measure, target, tol, iters, coarse)
         if c1 != c0:
             log(f"calibrated global router offset {off:+.3f}: capacity {c0:.4f} -> {c1:.4f} (target {target}){note}")
         return off
-    out = {}
-    for kind, tgt in (("attn", target_attn), ("ffn", target_ffn)):
-        tgt = target if tgt is None else tgt
-        off, c0, c1, note = _calibrate_kind(learned_routers(routers, kind), measure(kind), tgt, tol, iters, coarse)
-        log(f"calibrated {kind} router offset {off:+.3f}: {kind} capacity {c0:.4f} -> {c1:.4f} (target {tgt}){note}")
-        out[kind] = off
-    return out
+    steps = [(kind, kind, target if tgt is None else tgt)
+             for kind, tgt in (("attn", target_attn), ("ffn", target_ffn))]
+    return _calibrate_kinds(model, routers, blocks, steps, tol, iters, coarse, batch_size, amp, log)
