@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from wide_compile.kernels import norm_router as NR  # noqa: E402
-from wide_compile.kernels import wide_rmsnorm_router  # noqa: E402
+from wide_compile.kernels import wide_add_rmsnorm_router, wide_rmsnorm_router  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
@@ -40,13 +40,28 @@ def router(kind, D, G, R, gen, bias_shift=0.0):
     return w1, b1, w2, b2
 
 
-def check(T, D, G, R, kind, router_input, dtype, seed=0, bias_shift=0.0, **launch):
+def check(T, D, G, R, kind, router_input, dtype, seed=0, bias_shift=0.0, add=False, **launch):
+    """add=True: the add form, x = a + b given as its two terms (its sum checked against a + b in dtype: bit for
+    bit where the kernel is compiled)."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(T, D, generator=gen) * 3).to(dtype)
     w_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
     ts = router(kind, D, G, R, gen, bias_shift)
     dev = [None if t is None else t.to(DEV) for t in (x, w_norm, *ts)]
-    y, mask = NR.rmsnorm_router_triton(dev[0], dev[1], 1e-5, router_input, kind, *dev[2:], **launch)
+    if add:
+        a = (torch.randn(T, D, generator=gen) * 2).to(dtype)
+        b = (x.float() - a.float()).to(dtype)  # a + b is close to x: the same logits' scale
+        x = a + b
+        xs, y, mask = NR.add_rmsnorm_router_triton(a.to(DEV), b.to(DEV), dev[1], 1e-5, router_input, kind, *dev[2:],
+                                                   **launch)
+        assert xs.dtype == dtype
+        if INTERPRET and dtype == torch.bfloat16:  # the interpreter rounds fp32 -> bf16 toward 0: one ulp apart
+            torch.testing.assert_close(xs.cpu(), x, atol=0, rtol=2 ** -7)
+        else:  # compiled: round to nearest even, as PyTorch's add
+            assert torch.equal(xs.cpu(), x)
+        x = xs.cpu()  # the norm and the router below are checked on the kernel's own sum
+    else:
+        y, mask = NR.rmsnorm_router_triton(dev[0], dev[1], 1e-5, router_input, kind, *dev[2:], **launch)
     assert y.dtype == dtype and y.shape == (T, D) and mask.dtype == torch.bool and mask.shape == (T, G)
     y, mask = y.cpu(), mask.cpu()
     y_ref = NR.rmsnorm_ref(x.double(), w_norm.double(), 1e-5) if dtype == torch.float32 else \
@@ -82,6 +97,25 @@ def test_width_split_over_programs(kind, router_input, T, D, split):
     check(T, D, 6, 5, kind, router_input, torch.float32, seed=D + split, split=split, block_d=16)
 
 
+@pytest.mark.parametrize("kind", NR.KINDS)
+@pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D,split", [(1, 37, None), (7, 72, None), (2, 100, 4), (3, 40, 7)])
+def test_add_form(kind, router_input, dtype, T, D, split):
+    """The residual add in the kernel: the sum equals a + b in the inputs' dtype bit for bit, and the norm and
+    the mask are those of that sum, in one program per row and split over programs (each writing its slice)."""
+    launch = dict(split=split, block_d=16) if split else {}
+    check(T, D, 6, 5, kind, router_input, dtype, seed=T + D, add=True, **launch)
+
+
+def test_add_form_needs_matching_terms():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    w1 = torch.randn(3, 8)
+    for r in (torch.randn(2, 7), torch.randn(2, 8).double()):
+        with pytest.raises(ValueError, match="residual must match"):
+            NR.add_rmsnorm_router_triton(x, r, w, 1e-5, "normed", "linear", w1)
+
+
 def test_large_routers_split_small_ones_do_not():
     assert NR.num_splits(1, 4096, 112, 64) == (64, 64)        # 8B FFN, linear: 1.8 MB of w1 over 64 programs
     assert NR.num_splits(1, 576, 32, 256)[0] == 3              # SmolLM2 pair router: 74 KB, split too
@@ -105,6 +139,20 @@ def test_wide_op_matches_the_kernel_and_keeps_leading_dims():
     y, m = wide_rmsnorm_router(x, w_norm, 1e-6, "residual", "pair", w1, b1, w2, b2)
     y_ref, m_ref = NR.rmsnorm_router_ref(x.reshape(-1, 20), w_norm, 1e-6, "residual", "pair", w1, b1, w2, b2)
     assert y.shape == (2, 3, 20) and m.shape == (2, 3, 4)
+    torch.testing.assert_close(y.reshape(-1, 20), y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(m.reshape(-1, 4), m_ref)
+
+
+def test_add_op_matches_the_reference_and_keeps_leading_dims():
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.randn(2, 3, 20, generator=gen).to(DEV) for _ in range(2))
+    w_norm = torch.randn(20, generator=gen).to(DEV)
+    w1, b1, w2, b2 = (t.to(DEV) for t in router("pair", 20, 4, 3, gen))
+    x, y, m = wide_add_rmsnorm_router(a, b, w_norm, 1e-6, "residual", "pair", w1, b1, w2, b2)
+    x_ref, y_ref, m_ref = NR.add_rmsnorm_router_ref(a.reshape(-1, 20), b.reshape(-1, 20), w_norm, 1e-6, "residual",
+                                                    "pair", w1, b1, w2, b2)
+    assert x.shape == y.shape == (2, 3, 20) and m.shape == (2, 3, 4)
+    torch.testing.assert_close(x.reshape(-1, 20), x_ref, atol=0, rtol=0)
     torch.testing.assert_close(y.reshape(-1, 20), y_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(m.reshape(-1, 4), m_ref)
 
@@ -134,3 +182,4 @@ def test_opcheck(kind):
     x, w_norm = torch.randn(3, 16, generator=gen).to(DEV), torch.randn(16, generator=gen).to(DEV)
     ts = [None if t is None else t.to(DEV) for t in router(kind, 16, 4, 3, gen)]
     torch.library.opcheck(torch.ops.wide.rmsnorm_router.default, (x, w_norm, 1e-5, "normed", kind, *ts))
+    torch.library.opcheck(torch.ops.wide.add_rmsnorm_router.default, (x, x * 0.5, w_norm, 1e-5, "residual", kind, *ts))

@@ -14,8 +14,10 @@ from test_passes_models import CFG, capture, gptfast_pair, run_logits
 
 def counts(gm):
     c = op_counts(gm)
-    return {k: c.get(k, 0) for k in ("wide_rmsnorm_router_nd", "rsqrt", "linear", "gt", "linear_router_mask",
-                                     "pair_router_mask", "mlp_router_mask")}
+    out = {k: c.get(k, 0) for k in ("wide_rmsnorm_router_nd", "wide_add_rmsnorm_router_nd", "rsqrt", "linear", "gt",
+                                    "linear_router_mask", "pair_router_mask", "mlp_router_mask", "add")}
+    out["fused"] = out["wide_rmsnorm_router_nd"] + out["wide_add_rmsnorm_router_nd"]
+    return out
 
 
 def compile_and_compare(model, ids, fuse=True):
@@ -39,7 +41,10 @@ def test_attached_routers_fuse_into_the_norms(recipe, hidden, router_input):
     before, after, ctx = compile_and_compare(model, torch.randint(0, 128, (2, 7)))
     # per router: 1 (linear), 2 (pair, SiLU-MLP) router linears; the final norm stays
     per = 1 if recipe == "linear" and not hidden else 2
-    assert after["wide_rmsnorm_router_nd"] == 2 * L and ctx.report.counts["fuse_norm_router.fused"] == 2 * L
+    assert after["fused"] == 2 * L and ctx.report.counts["fuse_norm_router.fused"] == 2 * L
+    # every norm but the first layer's (its input is the embedding) takes the residual add before it
+    assert after["wide_add_rmsnorm_router_nd"] == 2 * L - 1 == ctx.report.counts["fuse_norm_router.residual_add"]
+    assert after["add"] == before["add"] - (2 * L - 1) - 2 * L  # those adds, and each fused norm's + eps
     assert after["rsqrt"] == before["rsqrt"] - 2 * L == 1
     assert after["linear"] == before["linear"] - 2 * L * per - 5 * L  # and q, o, gate, up, down -> wide ops
     assert after["gt"] == 0
@@ -49,7 +54,7 @@ def test_without_the_option_nothing_is_fused():
     model = tiny_model("llama")
     wc.attach(model, wc.Routers.init(model, CFG, seed=3))
     before, after, _ = compile_and_compare(model, torch.randint(0, 128, (1, 3)), fuse=False)
-    assert after["wide_rmsnorm_router_nd"] == 0 and after["rsqrt"] == before["rsqrt"]
+    assert after["fused"] == 0 and after["rsqrt"] == before["rsqrt"]
 
 
 def test_inserted_routers_fuse_in_a_dense_gptfast_graph():
@@ -60,7 +65,7 @@ def test_inserted_routers_fuse_in_a_dense_gptfast_graph():
     (gm, ex), = capture(model, idx)
     ctx = PassManager(fuse_norm_router=True).run(gm, ex, routers=routers)
     c = counts(gm)
-    assert c["wide_rmsnorm_router_nd"] == 4 and c["linear_router_mask"] == 0 and c["rsqrt"] == 1
+    assert c["fused"] == 4 and c["wide_add_rmsnorm_router_nd"] == 3 and c["linear_router_mask"] == 0 and c["rsqrt"] == 1
     with torch.no_grad():
         expect = ref(idx)
     torch.testing.assert_close(run_logits(gm, ex, expect), expect, atol=1e-5, rtol=1e-5)
@@ -74,11 +79,11 @@ def test_routers_that_cannot_fuse_are_left_with_the_reason():
     wc.attach(model, wc.Routers.constant(model, CFG, attn=[torch.arange(ga) % 2 == 0] * spec.num_layers,
                                          ffn=[torch.arange(gf) % 3 == 0] * spec.num_layers))
     before, after, ctx = compile_and_compare(model, torch.randint(0, 128, (1, 5)))
-    assert after["wide_rmsnorm_router_nd"] == 0 and after["rsqrt"] == before["rsqrt"]
+    assert after["fused"] == 0 and after["rsqrt"] == before["rsqrt"]
     model = tiny_model("llama")
     wc.attach(model, wc.Routers.init(model, CFG, seed=3).to(torch.bfloat16))
     before, after, ctx = compile_and_compare(model, torch.randint(0, 128, (1, 5)))
-    assert after["wide_rmsnorm_router_nd"] == 0 and after["linear"] == before["linear"] - 5 * 2
+    assert after["fused"] == 0 and after["linear"] == before["linear"] - 5 * 2
     assert any("not float32" in u for u in ctx.report.unmatched)
 
 
@@ -89,12 +94,12 @@ def test_bf16_hf_norm_fuses_and_a_bf16_native_norm_does_not():
     wc.attach(model, wc.Routers.init(model, CFG, seed=3))
     (gm, ex), = capture(model, input_ids=torch.randint(0, 128, (1, 4)))
     PassManager(fuse_norm_router=True).run(gm, ex)
-    assert counts(gm)["wide_rmsnorm_router_nd"] == 4
+    assert counts(gm)["fused"] == 4
     model, _ = gptfast_pair(seed=4)
     model = model.to(torch.bfloat16)
     (gm, ex), = capture(model, torch.randint(0, 128, (1, 4)))
     ctx = PassManager(fuse_norm_router=True).run(gm, ex, routers=wc.Routers.init(model.spec, CFG, seed=5))
-    assert counts(gm)["wide_rmsnorm_router_nd"] == 0
+    assert counts(gm)["fused"] == 0
     assert sum("not an RMSNorm of the form" in u for u in ctx.report.unmatched) == 4
 
 

@@ -18,6 +18,11 @@ normalized output and the router sums; once from memory). A large one (num_split
 programs per row, each computing the whole row's statistic and its columns' y and first-layer sums, and a
 second launch adds the S partial sums and finishes the router: at decode one program would leave the GPU idle
 while it reads the router's weights.
+
+The add form (``add_rmsnorm_router``) also takes the residual add that precedes a decoder block's norm:
+x = a + b (rounded to a's dtype, as the model's own add), written out as the new residual stream, then the norm
+and the router of x. Inductor fuses that add into its own norm kernel; a norm it cannot see into would leave the
+add as one more launch per block, which at a small model's decode step costs more than routing saves.
 """
 from __future__ import annotations
 
@@ -62,7 +67,23 @@ def rmsnorm_router_ref(x, w_norm, eps: float, router_input: str, kind: str, w1, 
     return y, router_logits_ref(h, kind, w1, b1, w2, b2) > 0
 
 
+def add_rmsnorm_router_ref(a, b, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2=None, b2=None):
+    """a, b [T, D] -> (x = a + b [T, D], y, mask): the residual add, then rmsnorm_router_ref of x."""
+    x = a + b
+    return (x, *rmsnorm_router_ref(x, w_norm, eps, router_input, kind, w1, b1, w2, b2))
+
+
 # ----------------------------------------------------------------------------- Triton
+
+@triton.jit
+def _load_row(x_ptr, r_ptr, off, dv, HAS_ADD: tl.constexpr):
+    # the block's input over one column tile: x, or x + r rounded to x's dtype (the model's residual add)
+    xin = tl.load(x_ptr + off, mask=dv, other=0.0)
+    if HAS_ADD:
+        rin = tl.load(r_ptr + off, mask=dv, other=0.0)
+        xin = (xin.to(tl.float32) + rin.to(tl.float32)).to(xin.dtype)
+    return xin
+
 
 @triton.jit
 def _store_mask(acc, row, r, rv, m_ptr, b1_ptr, w2_ptr, b2_ptr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -93,12 +114,14 @@ def _store_mask(acc, row, r, rv, m_ptr, b1_ptr, w2_ptr, b2_ptr, R: tl.constexpr,
 
 
 @triton.jit
-def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, part_ptr,
+def _rmsnorm_router_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, part_ptr,
                            D, split_d, stride_x, stride_y, eps,
                            R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
                            BD: tl.constexpr, S: tl.constexpr, KIND: tl.constexpr, RESIDUAL: tl.constexpr,
-                           HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
-    # program (row, s): the norm and the router's first layer over columns [s * split_d, (s + 1) * split_d)
+                           HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_ADD: tl.constexpr):
+    # program (row, s): the norm and the router's first layer over columns [s * split_d, (s + 1) * split_d);
+    # HAS_ADD: the input is x + r (r and the sum xs share x's row stride), and this program writes its columns of
+    # the sum
     # Inductor types a Python float argument of a user kernel as fp64: the statistic stays fp32 as in HF
     eps = tl.cast(eps, tl.float32)
     row = tl.program_id(0).to(tl.int64)
@@ -108,7 +131,7 @@ def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, 
     ss = tl.zeros([BD], dtype=tl.float32)
     for d0 in range(0, D, BD):
         d = d0 + offs
-        xv = tl.load(x_ptr + row * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+        xv = _load_row(x_ptr, r_ptr, row * stride_x + d, d < D, HAS_ADD).to(tl.float32)
         ss += xv * xv
     rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
     # pass 2: y over this program's columns, and the router's first layer over h (y or x): acc [RP] = w1 @ h
@@ -120,7 +143,9 @@ def _rmsnorm_router_kernel(x_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, 
     for d0 in range(lo, hi, BD):
         d = d0 + offs
         dv = d < hi
-        xin = tl.load(x_ptr + row * stride_x + d, mask=dv, other=0.0)
+        xin = _load_row(x_ptr, r_ptr, row * stride_x + d, dv, HAS_ADD)
+        if HAS_ADD:
+            tl.store(xs_ptr + row * stride_x + d, xin, mask=dv)
         xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
         nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
         y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -190,15 +215,20 @@ def num_splits(T: int, D: int, R: int, BD: int, split: Optional[int] = None) -> 
     return triton.cdiv(D, split_d), split_d
 
 
-def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None,
-                          wrap: bool = False, split: Optional[int] = None, block_d: Optional[int] = None):
-    """x [T, D] (any float dtype), w_norm [D] -> (y [T, D] in x's dtype, mask [T, G] bool): one launch, or two
-    where w1 is large (num_splits; `split` forces the programs per row and `block_d` the column tile, for
-    tests)."""
+def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, b2, wrap: bool,
+            split: Optional[int], block_d: Optional[int]):
+    # (x + r or None, y, mask): the kernel on x's rows, with the residual add when r is given
     T, D = x.shape
     G = check_router(kind, router_input, D, w1, b1, w2, b2)
     R = w1.shape[0]
     x = x.contiguous()
+    xs = None
+    if r is not None:
+        if r.shape != x.shape or r.dtype != x.dtype:
+            raise ValueError(f"add_rmsnorm_router: the residual must match x, got {tuple(r.shape)} {r.dtype} against "
+                             f"{tuple(x.shape)} {x.dtype}")
+        r = r.contiguous()
+        xs = torch.empty_like(x)
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
     RP, GP = triton.next_power_of_2(R), triton.next_power_of_2(G)
@@ -209,12 +239,30 @@ def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w
     b1_, b2_ = (b1 if b1 is not None else w1), (b2 if b2 is not None else w1)
     flags = dict(R=R, G=G, RP=RP, GP=GP, KIND=_KIND_IDS[kind], HAS_B1=b1 is not None, HAS_B2=b2 is not None)
     _launcher(_rmsnorm_router_kernel, wrap)[(T, S)](
-        x, w_norm.contiguous(), y, mask, w1c, b1_, w2_, b2_, part, D, split_d, x.stride(0), y.stride(0), float(eps),
-        BD=BD, S=S, RESIDUAL=router_input == "residual", num_warps=4 if RP * BD <= 4096 else 8, **flags)
+        x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w1c, b1_, w2_, b2_,
+        part, D, split_d, x.stride(0), y.stride(0), float(eps), BD=BD, S=S, RESIDUAL=router_input == "residual",
+        HAS_ADD=r is not None, num_warps=4 if RP * BD <= 4096 else 8, **flags)
     if S > 1:
         _launcher(_router_finish_kernel, wrap)[(T,)](part, mask, b1_, w2_, b2_, S=S,
                                                      SP=triton.next_power_of_2(S), num_warps=4, **flags)
+    return xs, y, mask
+
+
+def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None,
+                          wrap: bool = False, split: Optional[int] = None, block_d: Optional[int] = None):
+    """x [T, D] (any float dtype), w_norm [D] -> (y [T, D] in x's dtype, mask [T, G] bool): one launch, or two
+    where w1 is large (num_splits; `split` forces the programs per row and `block_d` the column tile, for
+    tests)."""
+    _, y, mask = _launch(x, None, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d)
     return y, mask
+
+
+def add_rmsnorm_router_triton(a, b, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None,
+                              b2=None, wrap: bool = False, split: Optional[int] = None,
+                              block_d: Optional[int] = None):
+    """a, b [T, D] (one dtype) -> (x = a + b, y = RMSNorm(x), mask = router(y or x)): the residual add in the
+    same launch(es) as rmsnorm_router_triton."""
+    return _launch(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d)
 
 
 def rmsnorm_router_dispatch(x, w_norm, eps, router_input, kind, w1, b1: Optional[torch.Tensor] = None,
@@ -224,3 +272,15 @@ def rmsnorm_router_dispatch(x, w_norm, eps, router_input, kind, w1, b1: Optional
         return rmsnorm_router_triton(x, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap=wrap)
     check_router(kind, router_input, x.shape[1], w1, b1, w2, b2)
     return rmsnorm_router_ref(x, w_norm, eps, router_input, kind, w1, b1, w2, b2)
+
+
+def add_rmsnorm_router_dispatch(a, b, w_norm, eps, router_input, kind, w1, b1: Optional[torch.Tensor] = None,
+                                w2: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None, wrap=False):
+    """add_rmsnorm_router's body: the Triton kernel on CUDA, the reference elsewhere."""
+    if a.device.type == "cuda":
+        return add_rmsnorm_router_triton(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap=wrap)
+    check_router(kind, router_input, a.shape[1], w1, b1, w2, b2)
+    if b.shape != a.shape or b.dtype != a.dtype:
+        raise ValueError(f"add_rmsnorm_router: the residual must match x, got {tuple(b.shape)} {b.dtype} against "
+                         f"{tuple(a.shape)} {a.dtype}")
+    return add_rmsnorm_router_ref(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2)

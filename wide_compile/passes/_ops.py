@@ -5,7 +5,7 @@ traces through them, so the graph Inductor sees holds reshapes + the torch.ops.w
 from __future__ import annotations
 
 OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill", "wide_rmsnorm_router",
-       "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket")
+       "wide_add_rmsnorm_router", "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket")
 
 
 def kernels():
@@ -100,3 +100,9 @@ def wide_attn_prefill_nd(q, k, v, mask, heads_per_group: int, scale=None):
 def wide_rmsnorm_router_nd(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None):
     """x [..., D] -> (RMSNorm(x) [..., D], router mask [..., G] bool) in one launch (kernels/norm_router.py)."""
     return kernels().wide_rmsnorm_router(x, w_norm, eps, router_input, kind, w1, b1, w2, b2)
+
+
+def wide_add_rmsnorm_router_nd(a, b, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None,
+                               b2=None):
+    """a, b [..., D] -> (a + b, RMSNorm(a + b), router mask [..., G] bool) in one launch (kernels/norm_router.py)."""
+    return kernels().wide_add_rmsnorm_router(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2)

@@ -7,7 +7,10 @@ Per block (attention: the norm feeding q; MLP: the norm feeding gate/up) the pas
   * the router producing the block's mask, reading the norm's output (router_input "normed") or its input
     (the residual stream, "residual"): a linear, SiLU-MLP or (skip, execute) pair router with float32 weights,
     traced (routers attached: linear -> gt 0, ...) or inserted (router_fns.*_router_mask calls);
-and replaces both by the fused op's two outputs. Anything else (codebook / nested / constant / replay /
+and replaces both by the fused op's two outputs. When the norm's input is the residual add of two tensors of its
+shape and dtype (a decoder block's `residual + out`) whose other users all come after the block's norm, the add
+goes into the same launch (wide.add_rmsnorm_router, whose first output is the sum the later users read):
+Inductor fuses that add into its own norm kernel, so a fused norm without it would add a launch. Anything else (codebook / nested / constant / replay /
 split-bf16 routers, routers in another dtype, a norm of another form, intermediate values used elsewhere)
 is left as it is, with the reason in the report: the pass never changes what a block computes.
 """
@@ -20,7 +23,7 @@ from torch import fx
 
 from ..routing import router_fns as fns
 from ._graph import SILU_FNS, erase_unused, is_call, is_linear, is_mul, linear_parts, meta, node_index
-from ._ops import wide_rmsnorm_router_nd
+from ._ops import wide_add_rmsnorm_router_nd, wide_rmsnorm_router_nd
 from .base import Pass, PassContext, log
 from .insert_routers import _strip_casts
 
@@ -165,17 +168,53 @@ class FuseNormRouter(Pass):
             return "the norm's or the router's weights are not model parameters"
         order = node_index(ctx.gm)
         at = min([norm, *blk.mask.users], key=order.__getitem__)
+        norm_nodes = self._norm_nodes(norm, h)
+        terms = self._residual_add(h, at, order, {norm, *nodes, *norm_nodes})
+        args = (h, w_norm, eps, router_input, kind, *tensors)
         with ctx.gm.graph.inserting_before(at):
-            fused = ctx.weights.call(wide_rmsnorm_router_nd, (h, w_norm, eps, router_input, kind, *tensors))
-            y = ctx.weights.call(operator.getitem, (fused, 0))
-            mask = ctx.weights.call(operator.getitem, (fused, 1))
+            if terms is None:
+                fused = ctx.weights.call(wide_rmsnorm_router_nd, args)
+            else:
+                fused = ctx.weights.call(wide_add_rmsnorm_router_nd, (*terms, *args[1:]))
+                total = self._item(ctx, fused, 0)
+            y = self._item(ctx, fused, 1 if terms else 0)
+            mask = self._item(ctx, fused, 2 if terms else 1)
         norm.replace_all_uses_with(y)
         blk.mask.replace_all_uses_with(mask)
         old_mask, blk.mask, blk.x, blk.router_fused = blk.mask, mask, y, True
-        erase_unused(ctx.gm, [old_mask, *nodes, norm, *self._norm_nodes(norm, h)])
-        log.info("wide: layer %d: %s router (%s) fused into its RMSNorm -> wide.rmsnorm_router", blk.layer, kind,
-                 router_input)
+        erase_unused(ctx.gm, [old_mask, *nodes, norm, *norm_nodes])
+        if terms is not None:
+            h.replace_all_uses_with(total)
+            erase_unused(ctx.gm, [h])
+            ctx.count("fuse_norm_router.residual_add")
+        log.info("wide: layer %d: %s router (%s) fused into its RMSNorm%s", blk.layer, kind, router_input,
+                 " and residual add -> wide.add_rmsnorm_router" if terms else " -> wide.rmsnorm_router")
         return ""
+
+    @staticmethod
+    def _item(ctx, fused, i: int):
+        """fused[i], with its example value (a later block's match reads the sum's shape and dtype)."""
+        node = ctx.weights.call(operator.getitem, (fused, i))
+        vals = fused.meta.get("example_value")
+        if isinstance(vals, (tuple, list)) and "example_value" not in node.meta:
+            node.meta["example_value"] = vals[i]
+        return node
+
+    @staticmethod
+    def _residual_add(h, at, order, inside) -> tuple | None:
+        """(a, b) when h = a + b of two tensors of h's shape and dtype and every user of h outside the norm and
+        the router comes after `at` (they read the fused op's sum instead), else None."""
+        if not (is_call(h, _ADD, ("add",)) and len(h.args) == 2 and not h.kwargs):
+            return None
+        a, b, vh = *h.args, meta(h)
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and vh is not None):
+            return None
+        va, vb = meta(a), meta(b)
+        if va is None or vb is None or not (va.shape == vb.shape == vh.shape and va.dtype == vb.dtype == vh.dtype):
+            return None
+        if any(u not in inside and order[u] <= order[at] for u in h.users):
+            return None
+        return a, b
 
     @staticmethod
     def _norm_nodes(norm, h) -> list:
