@@ -56,7 +56,7 @@
 #                          the 8B rows; LEAN_ARGS adds bench_e2e options to the 8B rows (e.g. --head-group-size 4
 #                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_TESTS=0 skips the tests;
 #                          LEAN_SMOL_PHASES picks the SmolLM2 phases (default "decode prefill"), LEAN_SMOL_NAME a
-#                          suffix to their files
+#                          suffix to their files, LEAN_SMOL_ARGS adds bench_e2e options to them (e.g. --profile)
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/); a GPU without a tuned
 #                          decode file (kernels/configs/attn_decode/) is swept first and its file written there
@@ -456,7 +456,7 @@ step() {
       --phases ${LEAN_SMOL_PHASES:-decode prefill} --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 \
       --prefill-batch 1 --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} "${SHORT[@]}" --no-plot \
-      --name e2e-h200-lean-smollm2${LEAN_SMOL_NAME:-} ;;
+      --name e2e-h200-lean-smollm2${LEAN_SMOL_NAME:-} ${LEAN_SMOL_ARGS:-} ;;
   tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
     local d
     for d in .data/train-text .data/train-text-gz; do

@@ -44,9 +44,27 @@ def pick(model, op, T, density=0.5, kernel_path="auto"):
     return cm.choose(op, s, cm.MaskStats(density), BASE.row(T, gs), DEVICE, kernel_path), s
 
 
-def test_8b_decode_batch1_runs_the_gather_gemv():
-    assert pick("8b", "mlp", 1)[0] == "gather+kskip"
-    assert pick("8b", "q", 1)[0] == "gather"
+def test_decode_batch1_runs_the_one_token_gemvs():
+    """One token: the GEMVs read the same bytes as the tile kernels in fewer launches (no tile lists). At 135M
+    o_proj's GEMV and its split sum are two launches, as dense_masked's select and GEMM: the margin keeps dense."""
+    for model, op in [("8b", "mlp"), ("8b", "q"), ("8b", "o"), ("135m", "mlp"), ("135m", "q")]:
+        assert pick(model, op, 1)[0] == "gemv", (model, op)
+    assert pick("135m", "o", 1)[0] == "dense_masked"
+
+
+def test_the_gemvs_are_a_path_at_one_token_only():
+    for op in ("mlp", "q", "o"):
+        name, s = pick("135m", op, 2, kernel_path="compact")
+        assert name != "gemv" and "gemv" not in cm.path_seconds(op, s, cm.MaskStats(0.5), BASE.row(2, 64), DEVICE)
+    row = {**BASE.row(1, 64), **cm.PATH_FIELDS["mlp"]["gemv"]}
+    assert cm.table_path("mlp", row, 1) == "gemv" and cm.table_path("mlp", row, 2) == "gather+kskip"
+
+
+def test_8b_decode_batch1_without_the_gemvs_runs_the_gather():
+    """The tile kernels' choice where the one-token GEMVs are overridden away (a phase override of the path)."""
+    base = BASE.with_overrides(decode={"path": "decode"})
+    table, d = cm.plan("mlp", cm.Shape(1, 4096, 14336, 128), base, DEVICE, cm.MaskStats(0.5))
+    assert d.path == "gather+kskip"
 
 
 def test_8b_decode_batch8_at_half_capacity_runs_dense_masked():
@@ -69,7 +87,8 @@ def test_135m_picks_a_fewest_launch_path(op, T):
 
 
 def test_low_density_decode_keeps_compact_and_full_density_goes_dense():
-    assert pick("8b", "o", 1, density=0.1)[0] == "kskip"
+    assert pick("8b", "o", 1, density=0.1)[0] == "gemv"
+    assert pick("8b", "o", 2, density=0.1)[0] == "kskip"
     assert pick("8b", "mlp", 1, density=1.0)[0] == "dense_masked"
 
 
@@ -102,11 +121,11 @@ def test_union_share_measured_and_independent():
 
 def test_plan_with_dynamic_T_cuts_the_table_where_the_choice_changes():
     table, d = cm.plan("mlp", cm.Shape(0, 4096, 14336, 128), BASE, DEVICE, cm.MaskStats(0.5))
-    assert d.T is None and d.path == "gather+kskip" and d.rows[0] == (1, "gather+kskip")
+    assert d.T is None and d.path == "gemv" and d.rows[0] == (1, "gemv") and d.rows[1][0] == 2
     assert [p for _, p in d.rows][-1] == "sorted+dense"
     for t, name in d.rows:  # the table's rows run what the decision says
-        assert cm.table_path("mlp", table.row(t, 128)) == name
-    assert cm.table_path("mlp", table.row(8, 128)) == "dense_masked"
+        assert cm.table_path("mlp", table.row(t, 128), t) == name
+    assert cm.table_path("mlp", table.row(8, 128), 8) == "dense_masked"
 
 
 def test_plan_without_mask_stats_keeps_the_table():
@@ -189,7 +208,7 @@ def test_pass_records_its_choice_and_stays_exact(kernel_path):
         assert d.T == 7 and d.path in cm.PATH_FIELDS[d.op]
         tuning = KernelTuning.from_json(n.args[-2] if d.op == "mlp" else n.args[-1]) if kernel_path != "table" \
             else table_for()
-        assert cm.table_path(d.op, tuning.row(7, 16)) == d.path  # the op runs what was recorded
+        assert cm.table_path(d.op, tuning.row(7, 16), 7) == d.path  # the op runs what was recorded
         if kernel_path == "dense":
             assert d.path == "dense_masked"
     assert all("path" in (r["mlp"]["detail"]) for r in ctx.report.layers())
@@ -229,6 +248,14 @@ def test_phase_overrides_of_the_table_win_and_are_recorded():
     base = BASE.with_overrides(decode={"path": "dense"})
     table, d = cm.plan("mlp", cm.Shape(1, 4096, 14336, 128), base, DEVICE, cm.MaskStats(0.5))
     assert d.path == "dense_masked" and table.overrides == base.overrides
+    # ... and the kernels run it: the override of the path drops the row's one-token switch
+    from wide_compile.kernels.compact_mlp import kernel_config
+
+    assert table.row(1, 128).get("one_token") == "gemv"
+    cfg = kernel_config(1, 4096, 14336, 128, 4096, tuning=table)
+    assert cfg["path"] == "dense" and "one_token" not in cfg
+    assert kernel_config(1, 4096, 14336, 128, 4096, tuning=BASE.with_overrides(decode={"one_token": "gemv"}))[
+        "one_token"] == "gemv"
 
 
 def test_device_cost_reads_the_current_gpus_file(monkeypatch):

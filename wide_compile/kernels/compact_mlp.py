@@ -29,7 +29,7 @@ import triton.language as tl
 from .activations import ACT_IDS, gated_act
 from .dense_masked import mlp_dense_masked
 from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists_triton
-from .tuning import DECODE_T, interpreting, resolve  # noqa: F401  (DECODE_T: re-exported)
+from .tuning import DECODE_T, interpreting, resolve, with_phase_overrides  # noqa: F401  (DECODE_T: re-exported)
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def kernel_config(T: int, D: int, F: int, group_size: int, N_out: int, overrides
     if not _interpret():
         cfg = fit_shared_memory(cfg, elem_size, shared_memory_bytes(device))
     phase = "decode" if T <= DECODE_T else "prefill"
-    cfg.update(table.overrides.get(phase, {}))
+    cfg = with_phase_overrides(cfg, table.overrides.get(phase))
     cfg.update(overrides or {})
     return cfg
 

@@ -30,6 +30,17 @@ FIELDS = ("path", "down", "up_bm", "up_bn", "up_bk", "up_warps", "up_stages", "d
           "dn_split", "dn_warps", "dn_stages", "group_g", "group_m")
 
 
+def with_phase_overrides(cfg: dict, over: Optional[Mapping]) -> dict:
+    """A row with a phase's overrides applied. An override that names the path replaces the row's whole choice of
+    path, its one-token switch ("one_token": "gemv", which the kernels check first at T = 1) included, unless the
+    override names that switch too."""
+    out = dict(cfg)
+    if over and "path" in over and "one_token" not in over:
+        out.pop("one_token", None)
+    out.update(over or {})
+    return out
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

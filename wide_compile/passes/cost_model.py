@@ -8,8 +8,10 @@ summation order), so the model may pick any of them; it picks the one it estimat
          gather+dense  the gather, then one dense GEMM over the zero-filled h
          sorted+kskip  group-major gather over the active (token, group) pairs, K-skipping down projection
          sorted+dense  the sorted gather, then one dense GEMM over the zero-filled h
-    q    dense_masked | gather | sorted
-    o    dense_masked | kskip
+         gemv          one token only (T = 1): kernels/gemv.py's gate/up GEMV with the activation in it, then the
+                       K-skipping down GEMV and its split sum; the mask is read in the kernels (no reorder launch)
+    q    dense_masked | gather | sorted | gemv (T = 1)
+    o    dense_masked | kskip | gemv (T = 1)
 
 A path's time is the sum over its launches of a roofline (bytes at the device's copy bandwidth, FLOPs at its
 matrix-product rate, each times the share of the ceiling that kernel class reaches) plus a per-launch
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from ..kernels.tuning import CONFIG_DIR, DECODE_T, KernelTuning, cuda_device_key
+from ..kernels.tuning import CONFIG_DIR, DECODE_T, KernelTuning, cuda_device_key, with_phase_overrides
 
 COST_DIR = CONFIG_DIR / "cost"
 KINDS = ("gemm", "gather", "kskip", "pointwise", "reorder")
@@ -45,6 +47,10 @@ PATH_FIELDS = {
     "q": {"dense_masked": {"path": "dense"}, "gather": {"path": "decode"}, "sorted": {"path": "sorted"}},
     "o": {"dense_masked": {"path": "dense"}, "kskip": {"path": "decode", "down": "kskip"}},
 }
+# the one-token GEMVs (T = 1 only): the tile path's fields plus the kernels' switch (compact_mlp / compact_attn)
+GEMV_FIELDS = {"path": "decode", "down": "kskip", "one_token": "gemv"}
+for _fields in PATH_FIELDS.values():
+    _fields["gemv"] = GEMV_FIELDS
 # token counts a table with a dynamic T is cut at: every decode size, then powers of two
 T_GRID = tuple(range(1, DECODE_T + 2)) + tuple(2 ** k for k in range(5, 17))
 
@@ -185,6 +191,20 @@ def _reorder(s: Shape, row: dict) -> list:
     return [] if row.get("lists", "kernel") == "none" else [("reorder", s.T * s.groups + 4 * s.T * s.groups, 0)]
 
 
+def _gemv_reduce(s: Shape, st: MaskStats) -> list:
+    """The one-token K-skipping GEMV (down / o) over the token's active rows of the transposed weight the free ops
+    hold, into fp32 partials over split K, and the launch that adds them (gemv._split_sum_kernel)."""
+    part = 16 * s.d * 4  # at most 16 partial rows of fp32 (gemv.CONFIGS' widest split)
+    return [("kskip", st.union_share(1) * s.n * s.d * s.elem + s.n * s.elem + part, 2 * st.union_share(1) * s.n * s.d),
+            ("pointwise", part + s.d * s.elem, 0)]
+
+
+def _gemv_n(s: Shape, st: MaskStats, mats: int) -> tuple:
+    """The one-token grouped-output GEMV (gate/up: mats = 2, q: 1) over the token's active groups."""
+    u = st.union_share(1)
+    return ("gather", u * mats * s.n * s.d * s.elem + s.d * s.elem + s.n * s.elem, 2 * mats * u * s.n * s.d)
+
+
 def mlp_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
     """The launches of each MLP path: {path name: [(kind, bytes, flops), ...]} (s.n = F, s.d = D)."""
     h = s.T * s.n * s.elem
@@ -193,7 +213,7 @@ def mlp_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
     tile = _gather(s, st, row["up_bm"], 2, False)
     srt = _gather(s, st, row["up_bm"], 2, True)
     shared = row["up_bm"] == row["dn_bm"]
-    return {
+    paths = {
         # gate, up, the fused activation * up + select (Inductor traces the op body), down
         "dense_masked": [_gemm(s), _gemm(s), ("pointwise", 3 * h + s.T * s.groups, 0), _gemm(s)],
         "gather+kskip": _reorder(s, row) * (1 if shared else 2) + [tile] + _kskip(s, st, row),
@@ -201,21 +221,30 @@ def mlp_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
         "sorted+kskip": sorted_lists + [srt] + _reorder(s, row) + _kskip(s, st, row),
         "sorted+dense": [zero_h] + sorted_lists + [srt, _gemm(s)],
     }
+    if s.T == 1:
+        paths["gemv"] = [_gemv_n(s, st, 2)] + _gemv_reduce(Shape(1, s.d, s.n, s.group_size, s.elem), st)
+    return paths
 
 
 def q_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
     """q_proj's paths (s.d = D, s.n = Nq): the output is zero-filled before a gather writes the active pairs."""
     out = ("pointwise", s.T * s.n * s.elem, 0)
-    return {"dense_masked": [_gemm(s), ("pointwise", 2 * s.T * s.n * s.elem, 0)],
-            "gather": [out] + _reorder(s, row) + [_gather(s, st, row["up_bm"], 1, False)],
-            "sorted": [out, ("reorder", s.T * s.groups, 0), ("reorder", s.T * s.groups, 0),
-                       _gather(s, st, row["up_bm"], 1, True)]}
+    paths = {"dense_masked": [_gemm(s), ("pointwise", 2 * s.T * s.n * s.elem, 0)],
+             "gather": [out] + _reorder(s, row) + [_gather(s, st, row["up_bm"], 1, False)],
+             "sorted": [out, ("reorder", s.T * s.groups, 0), ("reorder", s.T * s.groups, 0),
+                        _gather(s, st, row["up_bm"], 1, True)]}
+    if s.T == 1:  # one launch: the GEMV writes the inactive columns' zeros itself
+        paths["gemv"] = [_gemv_n(s, st, 1)]
+    return paths
 
 
 def o_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
     """o_proj's paths (s.n = Nq its input width, s.d = D its output): select + dense GEMM, or K-skip."""
-    return {"dense_masked": [("pointwise", 2 * s.T * s.n * s.elem, 0), _gemm(s)],
-            "kskip": _reorder(s, row) + _kskip(s, st, row)}
+    paths = {"dense_masked": [("pointwise", 2 * s.T * s.n * s.elem, 0), _gemm(s)],
+             "kskip": _reorder(s, row) + _kskip(s, st, row)}
+    if s.T == 1:
+        paths["gemv"] = _gemv_reduce(s, st)
+    return paths
 
 
 KERNELS = {"mlp": mlp_kernels, "q": q_kernels, "o": o_kernels}
@@ -226,8 +255,11 @@ def path_seconds(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost) -
     return {name: sum(dev.seconds(*k) for k in ks) for name, ks in KERNELS[op](s, st, row).items()}
 
 
-def table_path(op: str, row: dict) -> str:
-    """The path the tuning table's row itself names for this op."""
+def table_path(op: str, row: dict, T: int = 1) -> str:
+    """The path the tuning table's row itself names for this op at T tokens (the one-token GEMVs run at T = 1
+    only: compact_mlp / compact_attn)."""
+    if T == 1 and row.get("one_token") == "gemv":
+        return "gemv"
     if row["path"] == "dense" or (op == "o" and row.get("down") == "dense"):
         return "dense_masked"
     if op == "o":
@@ -242,7 +274,7 @@ def choose(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost, kernel_
     estimated fastest compact path (ties keep the table's)."""
     if kernel_path not in KERNEL_PATHS:
         raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {kernel_path!r}")
-    own = table_path(op, row)
+    own = table_path(op, row, s.T)
     if kernel_path == "table":
         return own
     if kernel_path == "dense":
@@ -292,13 +324,13 @@ def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: Mask
         row = base.row(t, shape.group_size)
         over = _phase_overrides(base, t)  # applied by the kernels after the row: they decide as the kernels run
         s = Shape(t, shape.d, shape.n, shape.group_size, shape.elem)
-        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, {**row, **over}, dev, kernel_path)]}
+        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, with_phase_overrides(row, over), dev, kernel_path)]}
         if not rows or rows[-1][1] != cfg:
             rows.append((t, cfg))
-            named.append((t, table_path(op, {**cfg, **over})))
+            named.append((t, table_path(op, with_phase_overrides(cfg, over), t)))
     T = shape.T or 1
     at = Shape(T, shape.d, shape.n, shape.group_size, shape.elem)
-    secs = path_seconds(op, at, st, {**base.row(T, shape.group_size), **_phase_overrides(base, T)}, dev)
+    secs = path_seconds(op, at, st, with_phase_overrides(base.row(T, shape.group_size), _phase_overrides(base, T)), dev)
     path = next(p for t, p in reversed(named) if t <= T)
     merged = [named[0]] + [b for a, b in zip(named, named[1:]) if a[1] != b[1]]
     table = base if kernel_path == "table" else KernelTuning(base.device, tuple(rows), base.overrides)
