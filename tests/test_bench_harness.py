@@ -424,10 +424,10 @@ def test_options_match_the_parser():
     q = parse_options(["--quick", "--device", "cpu"])
     assert q.layers == 8 and q.time_budget_s == 240.0 and "max_autotune" not in q.variants
     full = parse_options(["--device", "cpu"])
-    assert full.variants == [v for v in VARIANTS if v not in ("wide_table", "wide_fused")]
+    assert full.variants == [v for v in VARIANTS if v not in ("wide_table", "wide_fused", "wide_fused_dense")]
     assert full.capacities == [1.0, 0.75, 0.5, 0.3]
     assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_table",
-                              "wide_fused", "wide_eager", "trt"]
+                              "wide_fused", "wide_fused_dense", "wide_eager", "trt"]
     assert len({s.key for s in VARIANTS.values()}) == len(VARIANTS)
 
 
@@ -652,9 +652,10 @@ def test_wide_table_and_fused_variants_are_recorded(tmp_path):
     _register_fake_backend()
     data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--wide-backend", _FAKE, "--phases", "decode",
                            "--capacities", "0.5", "--masks", "random", "--no-plot",
-                           "--variants", "inductor", "wide", "wide_table", "wide_fused"])
+                           "--variants", "inductor", "wide", "wide_table", "wide_fused", "wide_fused_dense"])
     r, = data["records"]
-    for k in ("wide_table", "wide_fused"):
+    for k in ("wide_table", "wide_fused", "wide_fused_dense"):
         assert r[f"{k}_ms"] and r[f"{k}_speedup"] == pytest.approx(r["dense_inductor_ms"] / r[f"{k}_ms"], rel=1e-3)
     assert r["kernel_path"] == "auto" and r["fuse_norm_router"] is False
     assert "speedup, fused norm+router" in (tmp_path / "e2e-smoke.md").read_text()
+    assert "speedup, fused + dense-masked" in (tmp_path / "e2e-smoke.md").read_text()

@@ -13,6 +13,8 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_table    wide with every op on the tuning table's path (kernel_path="table"), beside wide's cost-model
                 choice in the same run
   wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
+  wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
+                launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -194,6 +196,10 @@ def build_wide_fused(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, fuse_norm_router=True)
 
 
+def build_wide_fused_dense(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, fuse_norm_router=True, kernel_path="dense")
+
+
 VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("eager", "eager_dense", "workload", build_eager),
     VariantSpec("inductor", "dense_inductor", "row", build_inductor),
@@ -205,10 +211,11 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
     VariantSpec("wide_table", "wide_table", "routers", build_wide_table, why_not=_wide_why_not),
     VariantSpec("wide_fused", "wide_fused", "routers", build_wide_fused, why_not=_wide_why_not),
+    VariantSpec("wide_fused_dense", "wide_fused_dense", "routers", build_wide_fused_dense, why_not=_wide_why_not),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
 # timed only when --variants names them (each is one more WIDE compile per row)
-OPT_IN = ("wide_table", "wide_fused")
+OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")
