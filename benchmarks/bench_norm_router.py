@@ -1,0 +1,116 @@
+"""The fused residual add + RMSNorm + router (kernels/norm_router.py) beside what it replaces, at decode sizes.
+
+    python benchmarks/bench_norm_router.py --out DIR
+    python benchmarks/bench_norm_router.py --out DIR --dry-run    # tiny shapes, CPU, Triton interpreter
+
+Per model shape (SmolLM2-135M, Llama-3.1-8B; bf16 activations, fp32 routers as trained) and token count T, each
+captured 20 times in one CUDA graph and timed per call (bench_gemv.timed: median over replays, CUDA events):
+
+  norm          a + b, then the RMSNorm, compiled by Inductor (one launch): what a dense block runs
+  norm+router   the same plus the linear router's logits > 0 in fp32, compiled by Inductor: WIDE unfused
+  fused S=k     wide.add_rmsnorm_router with k programs per row (k = 1: one launch; k > 1: the width split over
+                k programs and a second launch that adds their partial sums); "default" marks num_splits' choice
+
+Writes DIR/norm-router.json and DIR/norm-router.md (command, GPU, date). --dry-run runs every row once on the CPU
+through the interpreter and checks the fused outputs against the reference: a check that the script runs, not a
+measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# (name, D, router rows R = 2 logits per group of the pair recipe or G of a linear router)
+SHAPES = [("smollm2-135m ffn (linear, 24 groups)", 576, 24), ("smollm2-135m ffn (pair r=32)", 576, 32),
+          ("llama-3.1-8b ffn (linear, 112 groups)", 4096, 112)]
+SHAPES_DRY = [("tiny", 300, 64)]  # three column tiles: splits 1 to 3
+SPLITS = (1, 2, 3, 4, 8, 16, 64)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from bench_gemv import timed
+    from wide_compile.kernels import norm_router as NR
+
+    dev = "cpu" if args.dry_run else "cuda"
+    dt = torch.float32 if args.dry_run else torch.bfloat16
+    eps = 1e-5
+    rows = []
+    for name, D, R in (SHAPES_DRY if args.dry_run else SHAPES):
+        gen = torch.Generator().manual_seed(0)
+        w1 = (torch.randn(R, D, generator=gen) / D ** 0.5).to(dev)
+        b1 = (torch.randn(R, generator=gen) * 0.1).to(dev)
+        w_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dt).to(dev)
+
+        def dense(a, b):
+            x = a + b
+            xf = x.float()
+            return x, w_norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+        def unfused(a, b):
+            x, y = dense(a, b)
+            return x, y, torch.nn.functional.linear(y.float(), w1, b1) > 0
+
+        compiled = {"norm": dense, "norm+router": unfused} if args.dry_run else \
+            {"norm": torch.compile(dense), "norm+router": torch.compile(unfused)}
+        for T in args.tokens:
+            a = torch.randn(T, D, generator=gen).to(dt).to(dev)
+            b = torch.randn(T, D, generator=gen).to(dt).to(dev)
+            default = NR.num_splits(T, D, R, max(16, min(triton_p2(D), 8192 // triton_p2(R))))[0]
+            cases = [(k, (lambda f=f: f(a, b))) for k, f in compiled.items()]
+            blocks = -(-D // max(16, min(triton_p2(D), 8192 // triton_p2(R))))
+            for s in sorted({s for s in SPLITS if s <= blocks} | {default}):
+                cases.append((f"fused S={s}", lambda s=s: NR.add_rmsnorm_router_triton(a, b, w_norm, eps, "normed",
+                                                                                       "linear", w1, b1, split=s)))
+                if args.dry_run:
+                    x, y, m = cases[-1][1]()
+                    xr, yr, mr = NR.add_rmsnorm_router_ref(a, b, w_norm, eps, "normed", "linear", w1, b1)
+                    assert torch.allclose(y, yr, atol=1e-5) and torch.equal(x, xr), name
+            for label, fn in cases:
+                ms = timed(fn, args.dry_run)
+                is_default = label == f"fused S={default}"
+                rows.append(dict(shape=name, D=D, R=R, T=T, variant=label, default=is_default, us=round(ms * 1e3, 2)))
+                print(f"{name:40s} T={T:3d} {label:14s}{' (default)' if is_default else '':10s} {ms * 1e3:8.2f} us",
+                      flush=True)
+    write(args, rows, torch)
+    return rows
+
+
+def triton_p2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def write(args, rows, torch):
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
+    info = dict(command="python benchmarks/bench_norm_router.py " + " ".join(sys.argv[1:]), gpu=gpu,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                torch=torch.__version__)
+    with open(os.path.join(args.out, "norm-router.json"), "w") as f:
+        json.dump(dict(info, rows=rows), f, indent=1)
+    lines = [f"# Fused add + RMSNorm + router at decode sizes ({gpu})", "", f"`{info['command']}`, {info['date']}, "
+             f"torch {info['torch']}. Median us per call, 20 calls per CUDA graph.", "",
+             "| shape | T | variant | us |", "|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['T']} | {r['variant']}{' (default)' if r['default'] else ''} | {r['us']} |"
+              for r in rows]
+    with open(os.path.join(args.out, "norm-router.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
