@@ -8,8 +8,8 @@ captured 20 times in one CUDA graph and timed per call (bench_gemv.timed: median
 
   norm          a + b, then the RMSNorm, compiled by Inductor (one launch): what a dense block runs
   norm+router   the same plus the linear router's logits > 0 in fp32, compiled by Inductor: WIDE unfused
-  fused S=k     wide.add_rmsnorm_router with k programs per row (k = 1: one launch; k > 1: the width split over
-                k programs and a second launch that adds their partial sums); "default" marks num_splits' choice
+  fused S=k     wide.add_rmsnorm_router (one launch) with k programs per token row, each computing a slice of
+                the router's rows over the whole width; "default" marks row_splits' choice
 
 Writes DIR/norm-router.json and DIR/norm-router.md (command, GPU, date). --dry-run runs every row once on the CPU
 through the interpreter and checks the fused outputs against the reference: a check that the script runs, not a
@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# (name, D, router rows R = 2 logits per group of the pair recipe or G of a linear router)
-SHAPES = [("smollm2-135m ffn (linear, 24 groups)", 576, 24), ("smollm2-135m ffn (pair r=32)", 576, 32),
-          ("llama-3.1-8b ffn (linear, 112 groups)", 4096, 112)]
-SHAPES_DRY = [("tiny", 300, 64)]  # three column tiles: splits 1 to 3
-SPLITS = (1, 2, 3, 4, 8, 16, 64)
+# (name, D, G): linear routers, one logit per group (a pair router runs as one: norm_router.compose_pair)
+SHAPES = [("smollm2-135m ffn (24 groups)", 576, 24), ("smollm2-135m attention (9 groups)", 576, 9),
+          ("llama-3.1-8b ffn (112 groups)", 4096, 112)]
+SHAPES_DRY = [("tiny", 300, 3)]  # splits 1 to 3
+SPLITS = (1, 2, 3, 4, 8, 16, 32, 64, 112)
 
 
 def main(argv=None):
@@ -51,10 +51,10 @@ def main(argv=None):
     dt = torch.float32 if args.dry_run else torch.bfloat16
     eps = 1e-5
     rows = []
-    for name, D, R in (SHAPES_DRY if args.dry_run else SHAPES):
+    for name, D, G in (SHAPES_DRY if args.dry_run else SHAPES):
         gen = torch.Generator().manual_seed(0)
-        w1 = (torch.randn(R, D, generator=gen) / D ** 0.5).to(dev)
-        b1 = (torch.randn(R, generator=gen) * 0.1).to(dev)
+        w1 = (torch.randn(G, D, generator=gen) / D ** 0.5).to(dev)
+        b1 = (torch.randn(G, generator=gen) * 0.1).to(dev)
         w_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dt).to(dev)
 
         def dense(a, b):
@@ -71,28 +71,23 @@ def main(argv=None):
         for T in args.tokens:
             a = torch.randn(T, D, generator=gen).to(dt).to(dev)
             b = torch.randn(T, D, generator=gen).to(dt).to(dev)
-            default = NR.num_splits(T, D, R, max(16, min(triton_p2(D), 8192 // triton_p2(R))))[0]
+            default = NR.row_splits(T, D, G)[0]
             cases = [(k, (lambda f=f: f(a, b))) for k, f in compiled.items()]
-            blocks = -(-D // max(16, min(triton_p2(D), 8192 // triton_p2(R))))
-            for s in sorted({s for s in SPLITS if s <= blocks} | {default}):
+            for s in sorted({NR.row_splits(T, D, G, k)[0] for k in SPLITS if k <= G} | {default}):  # programs run
                 cases.append((f"fused S={s}", lambda s=s: NR.add_rmsnorm_router_triton(a, b, w_norm, eps, "normed",
                                                                                        "linear", w1, b1, split=s)))
                 if args.dry_run:
                     x, y, m = cases[-1][1]()
                     xr, yr, mr = NR.add_rmsnorm_router_ref(a, b, w_norm, eps, "normed", "linear", w1, b1)
-                    assert torch.allclose(y, yr, atol=1e-5) and torch.equal(x, xr), name
+                    assert torch.allclose(y, yr, atol=1e-5) and torch.equal(x, xr) and torch.equal(m, mr), name
             for label, fn in cases:
                 ms = timed(fn, args.dry_run)
                 is_default = label == f"fused S={default}"
-                rows.append(dict(shape=name, D=D, R=R, T=T, variant=label, default=is_default, us=round(ms * 1e3, 2)))
+                rows.append(dict(shape=name, D=D, G=G, T=T, variant=label, default=is_default, us=round(ms * 1e3, 2)))
                 print(f"{name:40s} T={T:3d} {label:14s}{' (default)' if is_default else '':10s} {ms * 1e3:8.2f} us",
                       flush=True)
     write(args, rows, torch)
     return rows
-
-
-def triton_p2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def write(args, rows, torch):

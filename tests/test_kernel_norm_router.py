@@ -116,6 +116,26 @@ def test_add_form_needs_matching_terms():
             NR.add_rmsnorm_router_triton(x, r, w, 1e-5, "normed", "linear", w1)
 
 
+def test_row_splits_of_linear_routers():
+    assert NR.row_splits(1, 4096, 112) == (112, 1)    # 8B FFN: 1.8 MB, one router row per program, one launch
+    assert NR.row_splits(1, 576, 24) == (1, 32)       # SmolLM2 FFN, 55 KB: one program per token row
+    assert NR.row_splits(300, 4096, 112)[0] == 1      # prefill: the token rows fill the GPU
+    assert NR.row_splits(1, 100, 6, split=4) == (3, 2)  # 6 rows over 4 programs asked: 3 programs of 2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_compose_pair_is_the_pair_routers_margin(bias):
+    gen = torch.Generator().manual_seed(7)
+    w1, b1, w2, b2 = router("pair", 30, 5, 8, gen)
+    if not bias:
+        b1 = b2 = None
+    h = torch.randn(11, 30, generator=gen)
+    W, c = NR.compose_pair(w1, b1, w2, b2)
+    assert W.dtype == c.dtype == torch.float32 and W.shape == (5, 30) and c.shape == (5,)
+    ref = NR.router_logits_ref(h.double(), "pair", *(None if t is None else t.double() for t in (w1, b1, w2, b2)))
+    torch.testing.assert_close(h.double() @ W.double().T + c.double(), ref, atol=1e-6, rtol=1e-6)
+
+
 def test_large_routers_split_small_ones_do_not():
     assert NR.num_splits(1, 4096, 112, 64) == (64, 64)        # 8B FFN, linear: 1.8 MB of w1 over 64 programs
     assert NR.num_splits(1, 576, 32, 256)[0] == 3              # SmolLM2 pair router: 74 KB, split too
@@ -172,7 +192,10 @@ def test_bad_router_is_one_clear_error():
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_8b_rows(kind, G, T):
     check(T, 4096, G, 32, kind, "normed" if kind == "linear" else "residual", torch.bfloat16, seed=T)
-    assert NR.num_splits(T, 4096, 32 if kind != "linear" else G, 64)[0] > 1  # the two-launch form ran
+    if kind == "linear":  # the row split ran (one launch)
+        assert NR.row_splits(T, 4096, G)[0] > 1
+    else:  # the two-launch form ran
+        assert NR.num_splits(T, 4096, 32, 64)[0] > 1
 
 
 @pytest.mark.parametrize("kind", NR.KINDS)

@@ -45,6 +45,10 @@ def test_attached_routers_fuse_into_the_norms(recipe, hidden, router_input):
     # every norm but the first layer's (its input is the embedding) takes the residual add before it
     assert after["wide_add_rmsnorm_router_nd"] == 2 * L - 1 == ctx.report.counts["fuse_norm_router.residual_add"]
     assert after["add"] == before["add"] - (2 * L - 1) - 2 * L  # those adds, and each fused norm's + eps
+    # every router runs as one linear map: a pair router (recipe "wide") composed at compile time
+    kinds = {n.args[5 if n.target.__name__.startswith("wide_add") else 4] for n in ctx.gm.graph.nodes
+             if n.op == "call_function" and "rmsnorm_router" in getattr(n.target, "__name__", "")}
+    assert kinds == ({"mlp"} if hidden else {"linear"})
     assert after["rsqrt"] == before["rsqrt"] - 2 * L == 1
     assert after["linear"] == before["linear"] - 2 * L * per - 5 * L  # and q, o, gate, up, down -> wide ops
     assert after["gt"] == 0

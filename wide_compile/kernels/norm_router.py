@@ -13,11 +13,13 @@ mask differs from it only where a logit lies within fp32 summation-order roundin
 compiled fp32 GEMM has. Routers in another dtype, codebook / nested / constant / replay routers and split-bf16
 routers do not fuse (passes/fuse_norm_router.py leaves them).
 
-A small router runs one program per token row (the row read twice from L1/L2: the statistic, then the
-normalized output and the router sums; once from memory). A large one (num_splits) splits the width over S
-programs per row, each computing the whole row's statistic and its columns' y and first-layer sums, and a
-second launch adds the S partial sums and finishes the router: at decode one program would leave the GPU idle
-while it reads the router's weights.
+A linear router (and a pair router, which is one linear map: compose_pair; the pass composes it at compile time)
+runs in one launch at any size: its rows split over S programs per token row (row_splits), each computing the
+whole row's statistic, its own rows' logits over the whole width, and its slice of the normalized output. A small
+one is one program per row. An "mlp" router has a SiLU between its layers, so it splits the width instead
+(num_splits): S programs per row each compute the statistic and their columns' y and first-layer sums, and a
+second launch adds the S partial sums and finishes the router. Either way the row is read from memory once (the
+other reads hit L1/L2); at decode one program would leave the GPU idle while it reads the router's weights.
 
 The add form (``add_rmsnorm_router``) also takes the residual add that precedes a decoder block's norm:
 x = a + b (rounded to a's dtype, as the model's own add), written out as the new residual stream, then the norm
@@ -58,6 +60,20 @@ def router_logits_ref(h: torch.Tensor, kind: str, w1, b1, w2=None, b2=None) -> t
         return F.linear(F.silu(z), w2, b2)
     z = F.linear(z, w2, b2).unflatten(-1, (-1, 2))
     return z[..., 1] - z[..., 0]
+
+
+def compose_pair(w1, b1, w2, b2):
+    """A pair router as the linear map it is (no nonlinearity between its layers): margin = h @ W^T + c with
+    W = (w2[1::2] - w2[0::2]) @ w1 [G, D] and c = (w2[1::2] - w2[0::2]) @ b1 + b2[1::2] - b2[0::2], composed in
+    float64 and stored fp32. Its logits differ from the two-layer form's by rounding only."""
+    d = w2[1::2].double() - w2[0::2].double()                      # [G, R]: execute minus skip
+    W = d @ w1.double()
+    c = torch.zeros(W.shape[0], dtype=torch.float64, device=W.device)
+    if b1 is not None:
+        c += d @ b1.double()
+    if b2 is not None:
+        c += b2[1::2].double() - b2[0::2].double()
+    return W.float(), c.float()
 
 
 def rmsnorm_router_ref(x, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2=None, b2=None):
@@ -163,6 +179,48 @@ def _rmsnorm_router_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b
 
 
 @triton.jit
+def _rmsnorm_router_rows_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_ptr, b_ptr, D, cols, stride_x, stride_y,
+                                eps, G: tl.constexpr, GB: tl.constexpr, BD: tl.constexpr, RESIDUAL: tl.constexpr,
+                                HAS_B: tl.constexpr, HAS_ADD: tl.constexpr):
+    # program (row, s) of a linear router: the whole row's statistic, the logits of router rows
+    # [s * GB, (s + 1) * GB) over the whole width, and the norm output (and the sum) of columns [s * cols, (s + 1) * cols)
+    eps = tl.cast(eps, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = tl.arange(0, BD)
+    ss = tl.zeros([BD], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + offs
+        xv = _load_row(x_ptr, r_ptr, row * stride_x + d, d < D, HAS_ADD).to(tl.float32)
+        ss += xv * xv
+    rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+    g = s * GB + tl.arange(0, GB)
+    gv = g < G
+    acc = tl.zeros([GB], dtype=tl.float32)
+    lo = s * cols
+    for d0 in range(0, D, BD):
+        d = d0 + offs
+        dv = d < D
+        own = dv & (d >= lo) & (d < lo + cols)
+        xin = _load_row(x_ptr, r_ptr, row * stride_x + d, dv, HAS_ADD)
+        if HAS_ADD:
+            tl.store(xs_ptr + row * stride_x + d, xin, mask=own)
+        xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
+        nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
+        y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + d, y, mask=own)
+        if RESIDUAL:
+            h = xin.to(tl.float32)
+        else:
+            h = y.to(tl.float32)
+        w = tl.load(w_ptr + g[:, None] * D + d[None, :], mask=gv[:, None] & dv[None, :], other=0.0)
+        acc += tl.sum(w * h[None, :], axis=1)
+    if HAS_B:
+        acc += tl.load(b_ptr + g, mask=gv, other=0.0)
+    tl.store(m_ptr + row * G + g, acc > 0, mask=gv)
+
+
+@triton.jit
 def _router_finish_kernel(part_ptr, m_ptr, b1_ptr, w2_ptr, b2_ptr,
                           R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
                           S: tl.constexpr, SP: tl.constexpr, KIND: tl.constexpr,
@@ -215,6 +273,28 @@ def num_splits(T: int, D: int, R: int, BD: int, split: Optional[int] = None) -> 
     return triton.cdiv(D, split_d), split_d
 
 
+def row_splits(T: int, D: int, G: int, split: Optional[int] = None) -> tuple[int, int]:
+    """(S, GB) of a linear router: S programs per token row, GB router rows each (a power of two); the same size
+    rule as num_splits (`split` forces the programs per row, for tests)."""
+    if split is None:
+        split = 1 if G * D * 4 < SPLIT_MIN_BYTES else max(1, SPLIT_PROGRAMS // max(T, 1))
+    GB = triton.next_power_of_2(triton.cdiv(G, max(1, min(split, G))))
+    return triton.cdiv(G, GB), GB
+
+
+def _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, split, block_d):
+    # a linear router: one launch, its rows over S programs per token row
+    T, D = x.shape
+    G = w.shape[0]
+    S, GB = row_splits(T, D, G, split)
+    BD = block_d or max(16, min(triton.next_power_of_2(D), 8192 // GB))  # the w tile [GB, BD] in registers
+    _launcher(_rmsnorm_router_rows_kernel, wrap)[(T, S)](
+        x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w.contiguous(),
+        b if b is not None else w, D, triton.cdiv(D, S), x.stride(0), y.stride(0), float(eps), G=G, GB=GB, BD=BD,
+        RESIDUAL=router_input == "residual", HAS_B=b is not None, HAS_ADD=r is not None,
+        num_warps=4 if GB * BD <= 4096 else 8)
+
+
 def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, b2, wrap: bool,
             split: Optional[int], block_d: Optional[int]):
     # (x + r or None, y, mask): the kernel on x's rows, with the residual add when r is given
@@ -231,6 +311,9 @@ def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, 
         xs = torch.empty_like(x)
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
+    if kind == "linear":
+        _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap, split, block_d)
+        return xs, y, mask
     RP, GP = triton.next_power_of_2(R), triton.next_power_of_2(G)
     BD = block_d or max(16, min(triton.next_power_of_2(D), 8192 // RP))  # the w1 tile [RP, BD] in registers
     S, split_d = num_splits(T, D, R, BD, split)

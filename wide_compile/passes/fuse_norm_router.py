@@ -7,7 +7,9 @@ Per block (attention: the norm feeding q; MLP: the norm feeding gate/up) the pas
   * the router producing the block's mask, reading the norm's output (router_input "normed") or its input
     (the residual stream, "residual"): a linear, SiLU-MLP or (skip, execute) pair router with float32 weights,
     traced (routers attached: linear -> gt 0, ...) or inserted (router_fns.*_router_mask calls);
-and replaces both by the fused op's two outputs. When the norm's input is the residual add of two tensors of its
+and replaces both by the fused op's two outputs. A pair router has no nonlinearity between its layers: the pass
+composes it into one linear map at compile time (norm_router.compose_pair), which the kernel runs in one launch
+at any size. When the norm's input is the residual add of two tensors of its
 shape and dtype (a decoder block's `residual + out`) whose other users all come after the block's norm, the add
 goes into the same launch (wide.add_rmsnorm_router, whose first output is the sum the later users read):
 Inductor fuses that add into its own norm kernel, so a fused norm without it would add a launch. Anything else (codebook / nested / constant / replay /
@@ -168,6 +170,8 @@ class FuseNormRouter(Pass):
             return "the norm's or the router's weights are not model parameters"
         order = node_index(ctx.gm)
         at = min([norm, *blk.mask.users], key=order.__getitem__)
+        if kind == "pair":  # one linear map (compose_pair): the fused kernel then runs in one launch at any size
+            kind, tensors = "linear", self._composed(ctx, tensors, at)
         norm_nodes = self._norm_nodes(norm, h)
         terms = self._residual_add(h, at, order, {norm, *nodes, *norm_nodes})
         args = (h, w_norm, eps, router_input, kind, *tensors)
@@ -190,6 +194,17 @@ class FuseNormRouter(Pass):
         log.info("wide: layer %d: %s router (%s) fused into its RMSNorm%s", blk.layer, kind, router_input,
                  " and residual add -> wide.add_rmsnorm_router" if terms else " -> wide.rmsnorm_router")
         return ""
+
+    @staticmethod
+    def _composed(ctx, tensors, at) -> tuple:
+        """Constants (W [G, D], c [G]) of a pair router's composed linear map, made once at compile time."""
+        from ..kernels.norm_router import compose_pair  # the kernels import Triton: only when a pair router fuses
+
+        real = [ctx.weights.tensor(t) if t is not None else None for t in tensors]
+        key = tuple(id(t) for t in real)
+        with torch.no_grad():
+            return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda i=i: compose_pair(*real)[i],
+                                              before=at) for i, name in ((0, "router_w"), (1, "router_b")))
 
     @staticmethod
     def _item(ctx, fused, i: int):
