@@ -59,3 +59,11 @@ def test_check_tiny_sparse_attention_cpu():
     r = C.check_tiny("llama", "constant", torch.device("cpu"), torch.float32, "sparse-attention")
     assert r["ok"], r
     assert r["sdpa_decode_rewritten"] > 0 and r["generate_identical"]
+
+
+def test_check_tiny_lean_cpu():
+    """The GPU check's lean case runs on the CPU too (the ops run their references there): pair routers fused with
+    each block's residual add and norm, a batch-1 decode on the one-token GEMV path, generate() identical."""
+    r = C.check_tiny("llama", "random", torch.device("cpu"), torch.float32, "lean")
+    assert r["ok"], r
+    assert r["residual_adds_fused"] > 0 and r["gemv_ops"] > 0 and r["generate_identical"]
