@@ -57,6 +57,9 @@
 #                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_TESTS=0 skips the tests;
 #                          LEAN_SMOL_PHASES picks the SmolLM2 phases (default "decode prefill"), LEAN_SMOL_NAME a
 #                          suffix to their files, LEAN_SMOL_ARGS adds bench_e2e options to them (e.g. --profile)
+#   norm_router            tests/test_kernel_norm_router.py compiled on CUDA, then benchmarks/bench_norm_router.py (the
+#                          fused add + norm + router per row split beside Inductor's norm and unfused norm + router,
+#                          SmolLM2 and 8B shapes, T = 1 and 8) into $OUT/norm-router/
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/); a GPU without a tuned
 #                          decode file (kernels/configs/attn_decode/) is swept first and its file written there
@@ -457,6 +460,11 @@ step() {
       --prefill-batch 1 --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-smollm2${LEAN_SMOL_NAME:-} ${LEAN_SMOL_ARGS:-} ;;
+  norm_router)  # the fused norm + router's kernel tests compiled on CUDA, then its decode-size timings
+    TRITON_INTERPRET=0 timeout "${NR_TEST_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernel_norm_router.py > "$OUT/norm-router-tests-cuda.log" 2>&1; tail -2 "$OUT/norm-router-tests-cuda.log"
+    timeout "${NR_TIMEOUT:-90}" python3 benchmarks/bench_norm_router.py --out "$OUT/norm-router" \
+      > "$OUT/norm-router.log" 2>&1; grep " us$" "$OUT/norm-router.log" | tail -40 ;;
   tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
     local d
     for d in .data/train-text .data/train-text-gz; do
