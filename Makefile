@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 # torch>=2.11 requirement pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 ARGS ?=
+# test files spread over this many processes (pytest-xdist; one file stays in one process)
+TEST_WORKERS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,4 +22,4 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/wide demo $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -m "not slow" tests
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
