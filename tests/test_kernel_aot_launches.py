@@ -112,6 +112,11 @@ def _cases():
         cases[f"rmsnorm_router T={T}"] = lambda T=T: norm_router.rmsnorm_router_triton(
             t(T, D), t(D), 1e-5, "normed", "linear", t(2 * F // FGS, D, dtype=torch.float32),
             t(2 * F // FGS, dtype=torch.float32))
+        cases[f"add_rmsnorm_router T={T}"] = lambda T=T: norm_router.add_rmsnorm_router_triton(
+            t(T, D), t(T, D), t(D), 1e-5, "residual", "linear", t(F // FGS, D, dtype=torch.float32))
+        cases[f"add_rmsnorm_router mlp T={T}"] = lambda T=T: norm_router.add_rmsnorm_router_triton(
+            t(T, D), t(T, D), t(D), 1e-5, "normed", "mlp", t(32, D, dtype=torch.float32), None,
+            t(F // FGS, 32, dtype=torch.float32))
     for kind, sweep in gemv.GEMV_SWEEP.items():  # the one-token MLP at every tile its sweep times
         for i, cfg in enumerate(sweep):
             w_down = t(D, F) if kind == "k_contiguous" else t(F, D).t()
@@ -182,7 +187,8 @@ def record_and_compile(names):
 
 
 CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", "o_proj", "mlp_bucket", "q_proj_bucket",
-                                                                  "o_proj_bucket", "rmsnorm_router")]
+                                                                  "o_proj_bucket", "rmsnorm_router", "add_rmsnorm_router",
+                                                                  "add_rmsnorm_router mlp")]
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])

@@ -130,6 +130,36 @@ def _store_mask(acc, row, r, rv, m_ptr, b1_ptr, w2_ptr, b2_ptr, R: tl.constexpr,
 
 
 @triton.jit
+def _row_rstd(x_ptr, r_ptr, row, stride_x, D, eps, BD: tl.constexpr, HAS_ADD: tl.constexpr):
+    # 1 / RMS of the block's input row (x, or x + r), in fp32: each program of a split reads the row (L2 keeps it)
+    offs = tl.arange(0, BD)
+    ss = tl.zeros([BD], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + offs
+        xv = _load_row(x_ptr, r_ptr, row * stride_x + d, d < D, HAS_ADD).to(tl.float32)
+        ss += xv * xv
+    return tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+
+
+@triton.jit
+def _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, row, stride_x, stride_y, d, dv, own, rstd,
+               RESIDUAL: tl.constexpr, HAS_ADD: tl.constexpr):
+    # one column tile: the norm output (and the sum) stored where `own`, and the router's input h in fp32
+    xin = _load_row(x_ptr, r_ptr, row * stride_x + d, dv, HAS_ADD)
+    if HAS_ADD:
+        tl.store(xs_ptr + row * stride_x + d, xin, mask=own)
+    xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
+    nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
+    y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + d, y, mask=own)
+    if RESIDUAL:
+        h = xin.to(tl.float32)
+    else:
+        h = y.to(tl.float32)
+    return h
+
+
+@triton.jit
 def _rmsnorm_router_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, part_ptr,
                            D, split_d, stride_x, stride_y, eps,
                            R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
@@ -143,14 +173,8 @@ def _rmsnorm_router_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs = tl.arange(0, BD)
-    # pass 1: the whole row's mean square, in fp32 (each of the S programs reads the row: it stays in L2)
-    ss = tl.zeros([BD], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + offs
-        xv = _load_row(x_ptr, r_ptr, row * stride_x + d, d < D, HAS_ADD).to(tl.float32)
-        ss += xv * xv
-    rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
-    # pass 2: y over this program's columns, and the router's first layer over h (y or x): acc [RP] = w1 @ h
+    rstd = _row_rstd(x_ptr, r_ptr, row, stride_x, D, eps, BD, HAS_ADD)
+    # y over this program's columns, and the router's first layer over h (y or x): acc [RP] = w1 @ h
     r = tl.arange(0, RP)
     rv = r < R
     acc = tl.zeros([RP], dtype=tl.float32)
@@ -159,17 +183,8 @@ def _rmsnorm_router_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w1_ptr, b
     for d0 in range(lo, hi, BD):
         d = d0 + offs
         dv = d < hi
-        xin = _load_row(x_ptr, r_ptr, row * stride_x + d, dv, HAS_ADD)
-        if HAS_ADD:
-            tl.store(xs_ptr + row * stride_x + d, xin, mask=dv)
-        xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
-        nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
-        y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * stride_y + d, y, mask=dv)
-        if RESIDUAL:
-            h = xin.to(tl.float32)
-        else:
-            h = y.to(tl.float32)
+        h = _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, row, stride_x, stride_y, d, dv, dv, rstd, RESIDUAL,
+                       HAS_ADD)
         w = tl.load(w1_ptr + r[:, None] * D + d[None, :], mask=rv[:, None] & dv[None, :], other=0.0)
         acc += tl.sum(w * h[None, :], axis=1)
     if S == 1:  # the whole row in one program: the logits and the mask here
@@ -188,12 +203,7 @@ def _rmsnorm_router_rows_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_pt
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs = tl.arange(0, BD)
-    ss = tl.zeros([BD], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + offs
-        xv = _load_row(x_ptr, r_ptr, row * stride_x + d, d < D, HAS_ADD).to(tl.float32)
-        ss += xv * xv
-    rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+    rstd = _row_rstd(x_ptr, r_ptr, row, stride_x, D, eps, BD, HAS_ADD)
     g = s * GB + tl.arange(0, GB)
     gv = g < G
     acc = tl.zeros([GB], dtype=tl.float32)
@@ -202,17 +212,8 @@ def _rmsnorm_router_rows_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_pt
         d = d0 + offs
         dv = d < D
         own = dv & (d >= lo) & (d < lo + cols)
-        xin = _load_row(x_ptr, r_ptr, row * stride_x + d, dv, HAS_ADD)
-        if HAS_ADD:
-            tl.store(xs_ptr + row * stride_x + d, xin, mask=own)
-        xn = (xin.to(tl.float32) * rstd).to(xin.dtype)
-        nw = tl.load(nw_ptr + d, mask=dv, other=0.0)
-        y = (nw.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * stride_y + d, y, mask=own)
-        if RESIDUAL:
-            h = xin.to(tl.float32)
-        else:
-            h = y.to(tl.float32)
+        h = _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, row, stride_x, stride_y, d, dv, own, rstd, RESIDUAL,
+                       HAS_ADD)
         w = tl.load(w_ptr + g[:, None] * D + d[None, :], mask=gv[:, None] & dv[None, :], other=0.0)
         acc += tl.sum(w * h[None, :], axis=1)
     if HAS_B:
