@@ -187,8 +187,8 @@ def record_and_compile(names):
 
 
 CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", "o_proj", "mlp_bucket", "q_proj_bucket",
-                                                                  "o_proj_bucket", "rmsnorm_router", "add_rmsnorm_router",
-                                                                  "add_rmsnorm_router mlp")]
+                                                                  "o_proj_bucket", "rmsnorm_router",
+                                                                  "add_rmsnorm_router", "add_rmsnorm_router mlp")]
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])

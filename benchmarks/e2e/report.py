@@ -82,7 +82,8 @@ COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tok
         ("dense_inductor_cg_ms", "Ind.+graph"), ("trt_ms", "TRT"), ("static_ms", "static"), ("wide_ms", "WIDE"),
         ("wide_eager_ms", "WIDE eager"), ("wide_paths", "WIDE path (cost model)"), ("wide_table_speedup", "speedup, table paths"),
         ("wide_fused_speedup", "speedup, fused norm+router"),
-        ("wide_fused_dense_speedup", "speedup, fused + dense-masked"), ("speedup", "speedup"), ("speedup_vs_graphed_default", "speedup vs Ind.+graph"),
+        ("wide_fused_dense_speedup", "speedup, fused + dense-masked"), ("speedup", "speedup"),
+        ("speedup_vs_graphed_default", "speedup vs Ind.+graph"),
         ("speedup_vs_best_dense", "speedup vs fastest dense"),
         ("static_speedup", "static speedup"),
         ("wide_over_static", "WIDE/static"), ("peak_mem_mb", "WIDE mem MB"), ("compile_s", "WIDE compile s")]

@@ -25,6 +25,5 @@ from . import reference  # noqa: F401
 from .tuning import KernelTuning  # noqa: F401
 
 __all__ = ["wide_mlp", "wide_q_proj", "wide_o_proj", "mask_reorder", "wide_attn_prefill", "wide_attn_decode",
-           "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket", "wide_rmsnorm_router", "wide_add_rmsnorm_router",
-           "reference",
-           "KernelTuning"]
+           "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket", "wide_rmsnorm_router",
+           "wide_add_rmsnorm_router", "reference", "KernelTuning"]

@@ -198,7 +198,8 @@ def _rmsnorm_router_rows_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_pt
                                 eps, G: tl.constexpr, GB: tl.constexpr, BD: tl.constexpr, RESIDUAL: tl.constexpr,
                                 HAS_B: tl.constexpr, HAS_ADD: tl.constexpr):
     # program (row, s) of a linear router: the whole row's statistic, the logits of router rows
-    # [s * GB, (s + 1) * GB) over the whole width, and the norm output (and the sum) of columns [s * cols, (s + 1) * cols)
+    # [s * GB, (s + 1) * GB) over the whole width, and the norm output (and the sum) of columns
+    # [s * cols, (s + 1) * cols)
     eps = tl.cast(eps, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -256,6 +257,13 @@ def check_router(kind: str, router_input: str, D: int, w1, b1, w2, b2) -> int:
     return w2.shape[0] // 2 if kind == "pair" else w2.shape[0]
 
 
+def check_residual(x, r) -> None:
+    """One ValueError unless the residual term r has x's shape and dtype (the add form's two terms)."""
+    if r.shape != x.shape or r.dtype != x.dtype:
+        raise ValueError(f"add_rmsnorm_router: the residual must match x, got {tuple(r.shape)} {r.dtype} against "
+                         f"{tuple(x.shape)} {x.dtype}")
+
+
 # One program per row reads the router's first layer (w1: R x D fp32) alone: at decode that is one SM pulling
 # up to a couple of MB (8B shape, 112 linear groups: 1.8 MB), latency-bound. Above this many w1 bytes per row
 # the width is split over programs until about SPLIT_PROGRAMS programs run, and a second launch adds their
@@ -305,9 +313,7 @@ def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, 
     x = x.contiguous()
     xs = None
     if r is not None:
-        if r.shape != x.shape or r.dtype != x.dtype:
-            raise ValueError(f"add_rmsnorm_router: the residual must match x, got {tuple(r.shape)} {r.dtype} against "
-                             f"{tuple(x.shape)} {x.dtype}")
+        check_residual(x, r)
         r = r.contiguous()
         xs = torch.empty_like(x)
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
@@ -364,7 +370,5 @@ def add_rmsnorm_router_dispatch(a, b, w_norm, eps, router_input, kind, w1, b1: O
     if a.device.type == "cuda":
         return add_rmsnorm_router_triton(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap=wrap)
     check_router(kind, router_input, a.shape[1], w1, b1, w2, b2)
-    if b.shape != a.shape or b.dtype != a.dtype:
-        raise ValueError(f"add_rmsnorm_router: the residual must match x, got {tuple(b.shape)} {b.dtype} against "
-                         f"{tuple(a.shape)} {a.dtype}")
+    check_residual(a, b)
     return add_rmsnorm_router_ref(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2)

@@ -285,12 +285,21 @@ class Weights:
         node = self.gm.graph.call_function(target, args, kwargs or {})
         if self.fake_mode is not None:
             try:
-                fa, fk = fx.node.map_arg((args, kwargs or {}), lambda a: meta(a))
+                fa, fk = fx.node.map_arg((args, kwargs or {}), _example)
                 with self.fake_mode:
                     node.meta["example_value"] = target(*fa, **fk)
             except Exception:  # metadata is advisory; Inductor re-traces with its own fake tensors
                 pass
         return node
+
+
+def _example(n: fx.Node):
+    """A node's fake example value for re-running an op on it: a tensor, or the tuple of tensors of an op with
+    several outputs (so getitem on it gets its own value); None otherwise."""
+    v = n.meta.get("example_value", n.meta.get("val"))
+    if isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in v)):
+        return v
+    return None
 
 
 def erase_unused(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> int:

@@ -195,7 +195,8 @@ def _gemv_reduce(s: Shape, st: MaskStats) -> list:
     """The one-token K-skipping GEMV (down / o) over the token's active rows of the transposed weight the free ops
     hold, into fp32 partials over split K, and the launch that adds them (gemv._split_sum_kernel)."""
     part = 16 * s.d * 4  # at most 16 partial rows of fp32 (gemv.CONFIGS' widest split)
-    return [("kskip", st.union_share(1) * s.n * s.d * s.elem + s.n * s.elem + part, 2 * st.union_share(1) * s.n * s.d),
+    u = st.union_share(1)
+    return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + part, 2 * u * s.n * s.d),
             ("pointwise", part + s.d * s.elem, 0)]
 
 
@@ -222,7 +223,7 @@ def mlp_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
         "sorted+dense": [zero_h] + sorted_lists + [srt, _gemm(s)],
     }
     if s.T == 1:
-        paths["gemv"] = [_gemv_n(s, st, 2)] + _gemv_reduce(Shape(1, s.d, s.n, s.group_size, s.elem), st)
+        paths["gemv"] = [_gemv_n(s, st, 2)] + _gemv_reduce(s, st)
     return paths
 
 

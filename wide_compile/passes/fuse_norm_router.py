@@ -9,10 +9,10 @@ Per block (attention: the norm feeding q; MLP: the norm feeding gate/up) the pas
     traced (routers attached: linear -> gt 0, ...) or inserted (router_fns.*_router_mask calls);
 and replaces both by the fused op's two outputs. A pair router has no nonlinearity between its layers: the pass
 composes it into one linear map at compile time (norm_router.compose_pair), which the kernel runs in one launch
-at any size. When the norm's input is the residual add of two tensors of its
-shape and dtype (a decoder block's `residual + out`) whose other users all come after the block's norm, the add
-goes into the same launch (wide.add_rmsnorm_router, whose first output is the sum the later users read):
-Inductor fuses that add into its own norm kernel, so a fused norm without it would add a launch. Anything else (codebook / nested / constant / replay /
+at any size. When the norm's input is the residual add of two tensors of its shape and dtype (a decoder block's
+`residual + out`) whose other users all come after the block's norm, the add goes into the same launch
+(wide.add_rmsnorm_router, whose first output is the sum the later users read): Inductor fuses that add into its
+own norm kernel, so a fused norm without it would add a launch. Anything else (codebook / nested / constant / replay /
 split-bf16 routers, routers in another dtype, a norm of another form, intermediate values used elsewhere)
 is left as it is, with the reason in the report: the pass never changes what a block computes.
 """
@@ -180,9 +180,9 @@ class FuseNormRouter(Pass):
                 fused = ctx.weights.call(wide_rmsnorm_router_nd, args)
             else:
                 fused = ctx.weights.call(wide_add_rmsnorm_router_nd, (*terms, *args[1:]))
-                total = self._item(ctx, fused, 0)
-            y = self._item(ctx, fused, 1 if terms else 0)
-            mask = self._item(ctx, fused, 2 if terms else 1)
+                total = ctx.weights.call(operator.getitem, (fused, 0))
+            y = ctx.weights.call(operator.getitem, (fused, 1 if terms else 0))
+            mask = ctx.weights.call(operator.getitem, (fused, 2 if terms else 1))
         norm.replace_all_uses_with(y)
         blk.mask.replace_all_uses_with(mask)
         old_mask, blk.mask, blk.x, blk.router_fused = blk.mask, mask, y, True
@@ -203,17 +203,9 @@ class FuseNormRouter(Pass):
         real = [ctx.weights.tensor(t) if t is not None else None for t in tensors]
         key = tuple(id(t) for t in real)
         with torch.no_grad():
-            return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda i=i: compose_pair(*real)[i],
-                                              before=at) for i, name in ((0, "router_w"), (1, "router_b")))
-
-    @staticmethod
-    def _item(ctx, fused, i: int):
-        """fused[i], with its example value (a later block's match reads the sum's shape and dtype)."""
-        node = ctx.weights.call(operator.getitem, (fused, i))
-        vals = fused.meta.get("example_value")
-        if isinstance(vals, (tuple, list)) and "example_value" not in node.meta:
-            node.meta["example_value"] = vals[i]
-        return node
+            composed = compose_pair(*real)
+        return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda t=t: t, before=at)
+                     for i, (name, t) in enumerate(zip(("router_w", "router_b"), composed)))
 
     @staticmethod
     def _residual_add(h, at, order, inside) -> tuple | None:
