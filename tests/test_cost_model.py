@@ -159,23 +159,31 @@ def _rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _layout(w_t, layout):
+    """w_t [K, N] as the pass may hand it: a contiguous copy, or the transposed view of the Linear's weight [N, K]."""
+    return w_t if layout == "copy" else w_t.t().contiguous().t()
+
+
 @needs_dev
+@pytest.mark.parametrize("layout", ["copy", "view"])
 @pytest.mark.parametrize("T,density", [(1, 0.5), (5, "one"), (19, 0.3), (7, 1.0), (3, 0.0)])
 @pytest.mark.parametrize("name", list(cm.PATH_FIELDS["mlp"]))
-def test_every_mlp_path_matches_the_reference(name, T, density):
+def test_every_mlp_path_matches_the_reference(name, T, density, layout):
     gen = torch.Generator().manual_seed(T)
     D, G, gs = 24, 3, 16
     x, wg, wu = torch.randn(T, D, generator=gen), torch.randn(G * gs, D, generator=gen), torch.randn(G * gs, D, generator=gen)
     wd, m = torch.randn(G * gs, D, generator=gen), _mask(T, G, density, gen)
-    out = mlp_triton(*(t.to(DEV) for t in (x, wg, wu, wd, m)), gs, tuning=_forced("mlp", name, T, gs)).cpu()
+    out = mlp_triton(*(t.to(DEV) for t in (x, wg, wu)), _layout(wd.to(DEV), layout), m.to(DEV), gs,
+                     tuning=_forced("mlp", name, T, gs)).cpu()
     ref = R.mlp_ref(x.double(), wg.double(), wu.double(), wd.double(), m, gs)
     assert _rel(out, ref) <= 1e-4 if density != 0.0 else out.abs().max() == 0
 
 
 @needs_dev
 @pytest.mark.parametrize("T,density", [(1, 0.5), (6, "one"), (18, 0.5)])
-@pytest.mark.parametrize("op,name", [(op, n) for op in ("q", "o") for n in cm.PATH_FIELDS[op]])
-def test_every_attention_projection_path_matches_the_reference(op, name, T, density):
+@pytest.mark.parametrize("op,name,layout", [(op, n, lay) for op in ("q", "o") for n in cm.PATH_FIELDS[op]
+                                            for lay in (("copy", "view") if op == "o" else ("copy",))])
+def test_every_attention_projection_path_matches_the_reference(op, name, T, density, layout):
     gen = torch.Generator().manual_seed(T)
     D, G, gs = 20, 4, 8
     m = _mask(T, G, density, gen)
@@ -186,7 +194,7 @@ def test_every_attention_projection_path_matches_the_reference(op, name, T, dens
         ref = R.q_proj_ref(x.double(), w.double(), b.double(), m, gs)
     else:
         a, w, b = torch.randn(T, G * gs, generator=gen), torch.randn(G * gs, D, generator=gen), torch.randn(D, generator=gen)
-        out = o_proj_triton(*(t.to(DEV) for t in (a, w, b, m)), gs, tuning=tuning)
+        out = o_proj_triton(a.to(DEV), _layout(w.to(DEV), layout), b.to(DEV), m.to(DEV), gs, tuning=tuning)
         ref = R.o_proj_ref(a.double(), w.double(), b.double(), m, gs)
     assert _rel(out.cpu(), ref) <= 1e-4
 
@@ -217,6 +225,50 @@ def test_pass_records_its_choice_and_stays_exact(kernel_path):
     assert ctx.report.dense_everywhere == every_dense and (DENSE_EVERYWHERE in str(ctx.report)) == every_dense
     assert every_dense if kernel_path == "dense" else (not every_dense if kernel_path == "compact" else True)
     torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_one_token_graph_on_the_gemv_reads_the_linears_own_weight(T):
+    """A graph of one token whose op runs the GEMV hands it down_proj / o_proj's own weight through a transposed
+    view (no transposed copy); any other graph a contiguous copy. Either way the logits are the reference's."""
+    model = tiny_model("llama")
+    wc.attach(model, wc.Routers.init(model, CFG, seed=1))
+    ids = torch.randint(0, 128, (1, T))
+    (gm, ex), = capture(model, input_ids=ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    ctx = PassManager().run(gm, ex, mask_stats=0.5, kernel_path="compact")
+    views = 0
+    for n in gm.graph.nodes:
+        d = n.meta.get("wide_path")
+        if d is None or d.op == "q":
+            continue
+        w = n.args[3] if d.op == "mlp" else n.args[1]
+        view = w.op == "call_function" and w.target is torch.t
+        assert view == (T == 1 and d.path == "gemv"), (d, w)
+        if view:
+            assert w.args[0].op in ("get_attr", "placeholder")  # the Linear's weight itself
+        views += view
+    assert views == (4 if T == 1 else 0) and ctx.report.counts["rewrite.weight_view"] == views
+    torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gemv_split_follows_the_layout_the_pass_hands_over():
+    """A one-token graph's reduction GEMV runs the k_contiguous tiles (the Linear's weight), a graph of dynamic T
+    the d_contiguous ones (the transposed copy); an unsplit GEMV is one launch, a split one adds its split sum."""
+    from wide_compile.kernels.gemv import config_for
+
+    for op, name in (("mlp", "mlp"), ("o", "o_proj")):
+        assert cm.gemv_split(op, True, {}) == config_for("k_contiguous", None, name)["gd_split"]
+        assert cm.gemv_split(op, False, {}) == config_for("d_contiguous", None, name)["gd_split"]
+        assert cm.gemv_split(op, True, {"gd_split": 4}) == 4  # the row's override, as the kernels take it
+    assert cm.gemv_split("q", True, {}) == 1
+    s = cm.Shape(1, 576, 576, 64)
+    assert len(cm.o_kernels(s, cm.MaskStats(0.5), BASE.row(1, 64), split=1)["gemv"]) == 1
+    assert len(cm.o_kernels(s, cm.MaskStats(0.5), BASE.row(1, 64), split=8)["gemv"]) == 2
+    # at 135M the unsplit o_proj GEMV is one launch against dense_masked's two: it wins
+    assert cm.choose("o", s, cm.MaskStats(0.5), BASE.row(1, 64), DEVICE, split=1) == "gemv"
+    assert cm.choose("o", s, cm.MaskStats(0.5), BASE.row(1, 64), DEVICE, split=8) == "dense_masked"
 
 
 def test_unknown_kernel_path_is_one_clear_error():

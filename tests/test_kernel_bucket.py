@@ -287,8 +287,8 @@ def test_wrapper_under_torch_compile():
 @pytest.mark.skipif(DEV != "cpu", reason="the traced CUDA body runs in a CPU-only subprocess")
 def test_cuda_body_traces_with_fake_tensors():
     """The ops' CUDA bodies traced with fake CUDA tensors (as Inductor traces a triton_op): three kernel launches
-    for the MLP, two for each projection (one token, on the GEMVs: three for the MLP, one for q, two for o),
-    static shapes. Runs in a subprocess without TRITON_INTERPRET (compiled-mode Triton functions)."""
+    for the MLP, two for each projection (one token, on the GEMVs over the Linear's own reduction weight, no split
+    over K: two for the MLP, one for q, one for o), static shapes. Runs in a subprocess without TRITON_INTERPRET (compiled-mode Triton functions)."""
     code = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -305,10 +305,10 @@ for T in (1, 300):
     gm = make_fx(lambda *a: mlp_bucket_triton(*a, 64, "silu", wrap=True), tracing_mode="fake")(*args)
     launches = sum(1 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target))
     out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-    assert launches == 3, launches
+    assert launches == (2 if T == 1 else 3), launches
     assert tuple(out.meta["val"].shape) == (T, 64), out.meta["val"].shape
     for fn, inputs, shape, n in ((q_proj_bucket_triton, (args[0], args[1], bq), (T, 256), 1 if T == 1 else 2),
-                                 (o_proj_bucket_triton, (a, args[3], None), (T, 64), 2)):
+                                 (o_proj_bucket_triton, (a, args[3], None), (T, 64), 1 if T == 1 else 2)):
         gm = make_fx(lambda *a, fn=fn: fn(*a, 64, wrap=True), tracing_mode="fake")(*inputs, args[4], args[5])
         launches = sum(1 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target))
         out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]

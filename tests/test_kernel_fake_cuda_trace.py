@@ -103,17 +103,22 @@ def test_one_token_gemv_bodies(isolated):
 
 
 def check_one_token_gemv_bodies():
-    """The one-token GEMVs (gemv): the free op's (w_down_t read transposed, split partials: 3 launches) and
-    the bucketed op's (a prototype row picked on the device)."""
+    """The one-token GEMVs (gemv): the free op's on the transposed copy (w_down_t read column-wise, split
+    partials: 3 launches) and on the transposed view of down_proj's own weight that a one-token graph hands it
+    (rows read whole, no split: 2 launches), and the bucketed op's (a prototype row picked on the device)."""
     from wide_compile.kernels.bucket_mlp import mlp_bucket_triton
 
     gm = _trace(lambda x, wg, wu, wd, m: mlp_triton(x, wg, wu, wd, m, 32, config={"one_token": "gemv"}, wrap=True),
                 ((1, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((1, 4), BOOL))
     assert _bool_dtype_views(gm) == [] and _kernel_launches(gm) == 3
+    gv = _trace(lambda x, wg, wu, wd, m: mlp_triton(x, wg, wu, wd.t(), m, 32, config={"one_token": "gemv"},
+                                                    wrap=True),
+                ((1, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((64, 128), BF16), ((1, 4), BOOL))
+    assert _bool_dtype_views(gv) == [] and _kernel_launches(gv) == 2
     gb = _trace(lambda x, wg, wu, wd, b, p: mlp_bucket_triton(x, wg, wu, wd, b, p, 32, wrap=True),
                 ((1, 64), BF16), ((128, 64), BF16), ((128, 64), BF16), ((64, 128), BF16), ((1,), torch.int32),
                 ((5, 4), BOOL))
-    assert _bool_dtype_views(gb) == [] and _kernel_launches(gb) == 3
+    assert _bool_dtype_views(gb) == [] and _kernel_launches(gb) == 2
 
 
 @pytest.mark.parametrize("T", [3, 8, 130])

@@ -310,6 +310,8 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
 
 def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):
     """out[T, N] = sum over active groups of a[:, grp] @ w_t[grp] (+ bias once)."""
+    if w_t.stride(1) != 1:  # the kernel reads w_t's rows: a transposed view (one-token graphs' weight) is laid out
+        w_t = w_t.contiguous()
     T = a.shape[0]
     N = w_t.shape[1]
     bm, bn, bk, split = cfg["dn_bm"], cfg["dn_bn"], cfg["dn_bk"], cfg["dn_split"]

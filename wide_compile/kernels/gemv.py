@@ -49,13 +49,15 @@ from .tuning import cuda_device_key, interpreting
 # benchmarks/bench_gemv.py --write-config from its sweep) takes its tiles per kernel from there; these are the
 # fallback. The CUDA tiles are the best of bench_bucket_mlp.py --sweep's GEMV_SWEEP rows on an H200
 # (benchmarks/results/one-token-h200/): small programs win because these loads are not pipelined, so the programs
-# in flight hide the latency. gu_prefetch / gd_prefetch = 1 issue each K tile's loads one iteration ahead (register
+# in flight hide the latency; the k_contiguous reduction tile (one launch: no split over K) is the H100 sweep's best
+# for down_proj (benchmarks/results/gemv-h100/), the layout one-token graphs read (passes/base.reduction_weight).
+# gu_prefetch / gd_prefetch = 1 issue each K tile's loads one iteration ahead (register
 # double buffering: Triton does not pipeline loads that feed no tl.dot), so a program keeps two tiles in flight; the
 # interpreter runs that form by default and the tests run both.
 CONFIGS = {
     "cuda": {
-        "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gu_prefetch=0, gd_bn=8, gd_bk=256,
-                             gd_split=8, gd_warps=2, gd_stages=3, gd_prefetch=0),
+        "k_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gu_prefetch=0, gd_bn=4, gd_bk=512,
+                             gd_split=1, gd_warps=2, gd_stages=3, gd_prefetch=1),
         "d_contiguous": dict(gu_bn=8, gu_bk=256, gu_warps=2, gu_stages=3, gu_prefetch=0, gd_bn=64, gd_bk=128,
                              gd_split=16, gd_warps=8, gd_stages=3, gd_prefetch=0),
     },

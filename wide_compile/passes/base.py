@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from torch import fx
 
 from ..config import GroupGeometry
@@ -208,7 +209,8 @@ class PassContext:
         elem = v.dtype.itemsize if v is not None else 2
         stats = self.mask_stats["ffn" if op == "mlp" else "attn"]
         shape = Shape(static_rows(x) or 0, d, n, group_size, elem)
-        table, decision = plan(op, shape, base, device_cost(dev), stats, self.kernel_path)
+        table, decision = plan(op, shape, base, device_cost(dev), stats, self.kernel_path,
+                               dev if dev is not None and dev.type != "meta" else None)
         self.count(f"cost_model.{op}.{decision.path}")
         return (self.kernel_tuning if table is base else table.to_json()), decision
 
@@ -286,3 +288,15 @@ class Pass:
 
     def __call__(self, ctx: PassContext) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def reduction_weight(ctx: "PassContext", w, decision, name: str, before):
+    """The reduction-side weight a free op reads as w_t [K, N] (down_proj / o_proj): a one-token graph on the
+    GEMV reads the Linear's own weight [N, K] through a transposed view (rows contiguous over K: the GEMV's
+    single-launch layout, and no second copy of the weight); every other graph a contiguous transposed copy,
+    made once now (the tile kernels read w_t's rows)."""
+    W = ctx.weights
+    if decision.T == 1 and decision.path == "gemv":
+        ctx.count("rewrite.weight_view")
+        return W.call(torch.t, (w,))
+    return W.transposed(W.tensor(w), name, before=before)

@@ -9,7 +9,8 @@ summation order), so the model may pick any of them; it picks the one it estimat
          sorted+kskip  group-major gather over the active (token, group) pairs, K-skipping down projection
          sorted+dense  the sorted gather, then one dense GEMM over the zero-filled h
          gemv          one token only (T = 1): kernels/gemv.py's gate/up GEMV with the activation in it, then the
-                       K-skipping down GEMV and its split sum; the mask is read in the kernels (no reorder launch)
+                       K-skipping down GEMV (and its split sum when its tiles split K); the mask is read in the
+                       kernels (no reorder launch)
     q    dense_masked | gather | sorted | gemv (T = 1)
     o    dense_masked | kskip | gemv (T = 1)
 
@@ -191,13 +192,32 @@ def _reorder(s: Shape, row: dict) -> list:
     return [] if row.get("lists", "kernel") == "none" else [("reorder", s.T * s.groups + 4 * s.T * s.groups, 0)]
 
 
-def _gemv_reduce(s: Shape, st: MaskStats) -> list:
-    """The one-token K-skipping GEMV (down / o) over the token's active rows of the transposed weight the free ops
-    hold, into fp32 partials over split K, and the launch that adds them (gemv._split_sum_kernel)."""
-    part = 16 * s.d * 4  # at most 16 partial rows of fp32 (gemv.CONFIGS' widest split)
+def _gemv_reduce(s: Shape, st: MaskStats, split: int) -> list:
+    """The one-token K-skipping GEMV (down / o) over the token's active weights; split over K into `split` fp32
+    partial rows, it needs the launch that adds them (gemv._split_sum_kernel)."""
     u = st.union_share(1)
+    if split <= 1:
+        return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + s.d * s.elem, 2 * u * s.n * s.d)]
+    part = split * s.d * 4
     return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + part, 2 * u * s.n * s.d),
             ("pointwise", part + s.d * s.elem, 0)]
+
+
+# the split of the one-token reduction GEMV where the caller does not say: gemv.CONFIGS' widest
+DEFAULT_GEMV_SPLIT = 16
+GEMV_OP = {"mlp": "mlp", "o": "o_proj"}
+
+
+def gemv_split(op: str, one_token_graph: bool, row: dict, device=None) -> int:
+    """How many K slices op's one-token reduction GEMV runs (kernels/gemv.py's tiles on `device`, with the row's
+    overrides) for the weight layout the pass hands it: the Linear's own weight in a graph of one token
+    (passes/base.reduction_weight), the transposed copy in a graph whose token count is dynamic; 1 for q."""
+    if op not in GEMV_OP:
+        return 1
+    from ..kernels.gemv import config_for
+
+    layout = "k_contiguous" if one_token_graph else "d_contiguous"
+    return int(config_for(layout, row, GEMV_OP[op], device)["gd_split"])
 
 
 def _gemv_n(s: Shape, st: MaskStats, mats: int) -> tuple:
@@ -206,7 +226,7 @@ def _gemv_n(s: Shape, st: MaskStats, mats: int) -> tuple:
     return ("gather", u * mats * s.n * s.d * s.elem + s.d * s.elem + s.n * s.elem, 2 * mats * u * s.n * s.d)
 
 
-def mlp_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
+def mlp_kernels(s: Shape, st: MaskStats, row: dict, split: int = DEFAULT_GEMV_SPLIT) -> dict:
     """The launches of each MLP path: {path name: [(kind, bytes, flops), ...]} (s.n = F, s.d = D)."""
     h = s.T * s.n * s.elem
     zero_h = ("pointwise", h, 0)
@@ -223,11 +243,11 @@ def mlp_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
         "sorted+dense": [zero_h] + sorted_lists + [srt, _gemm(s)],
     }
     if s.T == 1:
-        paths["gemv"] = [_gemv_n(s, st, 2)] + _gemv_reduce(s, st)
+        paths["gemv"] = [_gemv_n(s, st, 2)] + _gemv_reduce(s, st, split)
     return paths
 
 
-def q_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
+def q_kernels(s: Shape, st: MaskStats, row: dict, split: int = 1) -> dict:
     """q_proj's paths (s.d = D, s.n = Nq): the output is zero-filled before a gather writes the active pairs."""
     out = ("pointwise", s.T * s.n * s.elem, 0)
     paths = {"dense_masked": [_gemm(s), ("pointwise", 2 * s.T * s.n * s.elem, 0)],
@@ -239,21 +259,23 @@ def q_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
     return paths
 
 
-def o_kernels(s: Shape, st: MaskStats, row: dict) -> dict:
+def o_kernels(s: Shape, st: MaskStats, row: dict, split: int = DEFAULT_GEMV_SPLIT) -> dict:
     """o_proj's paths (s.n = Nq its input width, s.d = D its output): select + dense GEMM, or K-skip."""
     paths = {"dense_masked": [("pointwise", 2 * s.T * s.n * s.elem, 0), _gemm(s)],
              "kskip": _reorder(s, row) + _kskip(s, st, row)}
     if s.T == 1:
-        paths["gemv"] = _gemv_reduce(s, st)
+        paths["gemv"] = _gemv_reduce(s, st, split)
     return paths
 
 
 KERNELS = {"mlp": mlp_kernels, "q": q_kernels, "o": o_kernels}
 
 
-def path_seconds(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost) -> dict:
-    """{path: estimated seconds} for one op at one token count, with the tile sizes of the table's row."""
-    return {name: sum(dev.seconds(*k) for k in ks) for name, ks in KERNELS[op](s, st, row).items()}
+def path_seconds(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost, split: int | None = None) -> dict:
+    """{path: estimated seconds} for one op at one token count, with the tile sizes of the table's row; `split`:
+    the one-token reduction GEMV's K slices (gemv_split; default the kernel functions')."""
+    extra = {} if split is None else {"split": split}
+    return {name: sum(dev.seconds(*k) for k in ks) for name, ks in KERNELS[op](s, st, row, **extra).items()}
 
 
 def table_path(op: str, row: dict, T: int = 1) -> str:
@@ -269,7 +291,8 @@ def table_path(op: str, row: dict, T: int = 1) -> str:
     return kind if op == "q" else f"{kind}+{'dense' if row.get('down') == 'dense' else 'kskip'}"
 
 
-def choose(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost, kernel_path: str = "auto") -> str:
+def choose(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost, kernel_path: str = "auto",
+           split: int | None = None) -> str:
     """The path `kernel_path` asks for: "auto" the estimated fastest compact path when it beats dense_masked
     by the device's margin, else dense_masked; "table" the table's own; "dense" dense_masked; "compact" the
     estimated fastest compact path (ties keep the table's)."""
@@ -280,7 +303,7 @@ def choose(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost, kernel_
         return own
     if kernel_path == "dense":
         return "dense_masked"
-    secs = path_seconds(op, s, st, row, dev)
+    secs = path_seconds(op, s, st, row, dev, split)
     dense = secs.pop("dense_masked")
     best = min(secs, key=secs.get)
     if secs.get(own) == secs[best]:  # ties keep the table's own
@@ -310,10 +333,10 @@ def _phase_overrides(base: KernelTuning, T: int) -> dict:
 
 
 def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: MaskStats | None,
-         kernel_path: str = "auto") -> tuple[KernelTuning, Decision]:
+         kernel_path: str = "auto", device=None) -> tuple[KernelTuning, Decision]:
     """The tuning table `op` runs with (base's rows, cut where the chosen path changes, each row carrying the
     chosen path's fields; base itself for "table") and the Decision to record. Without mask stats "auto" keeps
-    the table's paths."""
+    the table's paths. `device`: the torch device the kernels run on (their one-token GEMV tiles, gemv_split)."""
     source = {"auto": "cost model", "table": "tuning table"}.get(kernel_path, f"forced: {kernel_path}")
     if stats is None and kernel_path in ("auto", "compact"):
         kernel_path = "table" if kernel_path == "auto" else kernel_path
@@ -325,13 +348,16 @@ def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: Mask
         row = base.row(t, shape.group_size)
         over = _phase_overrides(base, t)  # applied by the kernels after the row: they decide as the kernels run
         s = Shape(t, shape.d, shape.n, shape.group_size, shape.elem)
-        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, with_phase_overrides(row, over), dev, kernel_path)]}
+        eff = with_phase_overrides(row, over)
+        split = gemv_split(op, shape.T == 1, eff, device) if t == 1 else None
+        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, eff, dev, kernel_path, split)]}
         if not rows or rows[-1][1] != cfg:
             rows.append((t, cfg))
             named.append((t, table_path(op, with_phase_overrides(cfg, over), t)))
     T = shape.T or 1
     at = Shape(T, shape.d, shape.n, shape.group_size, shape.elem)
-    secs = path_seconds(op, at, st, with_phase_overrides(base.row(T, shape.group_size), _phase_overrides(base, T)), dev)
+    eff = with_phase_overrides(base.row(T, shape.group_size), _phase_overrides(base, T))
+    secs = path_seconds(op, at, st, eff, dev, gemv_split(op, shape.T == 1, eff, device) if T == 1 else None)
     path = next(p for t, p in reversed(named) if t <= T)
     merged = [named[0]] + [b for a, b in zip(named, named[1:]) if a[1] != b[1]]
     table = base if kernel_path == "table" else KernelTuning(base.device, tuple(rows), base.overrides)

@@ -1,6 +1,6 @@
 """Pass 6: rewrite the routed attention projections (each on the path the cost model picks per token count,
 cost_model.py, recorded in the node's meta["wide_path"]): o -> wide.o_proj (weight transposed once, now, into
-a graph constant w_o_t [Nq, D]), q -> wide.q_proj (inactive head groups' columns exactly 0; only when the
+a graph constant w_o_t [Nq, D]; a one-token graph on the GEMV reads o_proj's own weight through a view), q -> wide.q_proj (inactive head groups' columns exactly 0; only when the
 q -> sdpa path keeps heads apart, see detect_attention). K and V stay dense linears. With a fused qkv linear
 (rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest.
 A block whose router is structured (match_buckets) runs wide.o_proj_bucket (on o_proj's own weight [D, Nq]) and
@@ -14,7 +14,7 @@ from torch import fx
 
 from ._graph import _rows_of_slice, erase_unused, last_dim, linear_parts, node_index
 from ._ops import wide_o_proj_bucket_nd, wide_o_proj_nd, wide_q_proj_bucket_nd, wide_q_proj_nd
-from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log
+from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log, reduction_weight
 from .match_buckets import bucket_refusal
 from .rewrite_mlp import bucket_decision, weight_rows
 
@@ -106,8 +106,8 @@ def _takes_bucket(ctx: PassContext, a: AttnMatch) -> bool:
 
 def _free_mask_o(ctx: PassContext, a: AttnMatch, wo, bo, nq):
     W = ctx.weights
-    wot = W.transposed(W.tensor(wo), f"L{a.layer}_w_o_t", before=a.o)
     tuning, a.paths["o"] = ctx.op_tuning("o", a.o_in, W.tensor(wo).shape[0], nq, a.group_size)
+    wot = reduction_weight(ctx, wo, a.paths["o"], f"L{a.layer}_w_o_t", a.o)
     new = W.call(wide_o_proj_nd, (a.o_in, wot, bo, a.mask, a.group_size, tuning))
     new.meta["wide_path"] = a.paths["o"]
     a.ops["o"] = "o_proj"

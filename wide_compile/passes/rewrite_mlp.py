@@ -1,6 +1,7 @@
 """Pass 5: rewrite each routed gated MLP (gate, up, act, mul, [mask multiply], down) into one wide.mlp call
 with the gate's activation, on the path the cost model picks per token count (cost_model.py; recorded in the
-node's meta["wide_path"]). The down weight is transposed once, now, into a graph constant (w_down_t [F, D]);
+node's meta["wide_path"]). The down weight is transposed once, now, into a graph constant (w_down_t [F, D]), except
+in a one-token graph on the GEMV, which reads down_proj's own weight through a transposed view;
 gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy).
 A block whose router is structured (match_buckets found its bucket and prototype table) runs
 wide.mlp_bucket instead, on down_proj's own weight [D, F]; where the bucket op cannot take the block
@@ -11,7 +12,7 @@ import operator
 
 from ._graph import erase_unused, last_dim, linear_parts, static_rows
 from ._ops import wide_mlp_bucket_nd, wide_mlp_nd
-from .base import GROUPING_FIX, WEIGHTS_FIX, MLPMatch, Pass, PassContext, keep_routing, log
+from .base import GROUPING_FIX, WEIGHTS_FIX, MLPMatch, Pass, PassContext, keep_routing, log, reduction_weight
 from .match_buckets import bucket_refusal
 
 
@@ -79,8 +80,8 @@ def _free_mask_mlp(ctx: PassContext, m: MLPMatch, wd):
     W = ctx.weights
     wg, _ = weight_rows(ctx, m.gate_src)
     wu, _ = weight_rows(ctx, m.up_src)
-    wdt = W.transposed(W.tensor(wd), f"L{m.layer}_w_down_t", before=m.down)
     tuning, m.paths["mlp"] = ctx.op_tuning("mlp", m.x, W.tensor(wd).shape[0], m.groups * m.group_size, m.group_size)
+    wdt = reduction_weight(ctx, wd, m.paths["mlp"], f"L{m.layer}_w_down_t", m.down)
     new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, tuning, m.activation))
     new.meta["wide_path"] = m.paths["mlp"]
     m.ops["mlp"] = "mlp"
