@@ -107,7 +107,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     routers = _routers(model, ref, kind, cfg, device)
     wc.attach(ref, routers)
     c0 = (counters()["rewrite_mlp.rewritten"], counters()["rewrite_attention.o_rewritten"],
-          counters()["rewrite_sdpa.decode"], counters()["fuse_norm_router.residual_add"])
+          counters()["rewrite_sdpa.decode"], counters()["fuse_norm_router.residual_add"],
+          counters()["rewrite.weight_view"])
     t0 = time.time()
     opts = {"sparse_attention": True} if sparse else {"fuse_norm_router": True, "kernel_path": "auto"} if lean else \
         {} if mode is None else {"mode": mode}
@@ -145,6 +146,9 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
         res["sdpa_decode_rewritten"] = counters()["rewrite_sdpa.decode"] - c0[2]
     if lean:  # the residual adds went into the fused norms, and some graph ran the one-token GEMVs
         res["residual_adds_fused"] = counters()["fuse_norm_router.residual_add"] - c0[3]
+        # one-token graphs hand the GEMVs the Linear's own reduction weight (a graph whose token count Dynamo
+        # made dynamic keeps the transposed copy): recorded, not required
+        res["reduction_weight_views"] = counters()["rewrite.weight_view"] - c0[4]
         res["gemv_ops"] = sum(path == "gemv" for r in getattr(cm, "_wide_reports", []) for d in [*r.mlp, *r.attn]
                               for path in (d.get("paths") or {}).values())
     res["explain"] = str(wc.explain(cm)).splitlines()[:4]
