@@ -75,6 +75,7 @@ class BenchOptions:
     wide_backend: str = "wide"
     wide_entry: str = "backend"
     no_cuda_graphs: bool = False
+    prefill_cuda_graphs: bool = False
     router_dtype: str = "float32"
     wide_decode_mode: str = "manual-graph"
     correlated_capacities: list[float] | None = None
@@ -251,6 +252,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--wide-entry", choices=["backend", "optimize"], default="backend",
                    help="backend: torch.compile(model, backend=...); optimize: wide_compile.optimize(model, routers)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode without manual CUDA graphs")
+    p.add_argument("--prefill-cuda-graphs", action="store_true",
+                   help="prefill in CUDA graphs too, as decode (dense and static: mode='reduce-overhead'; WIDE: the "
+                        "--wide-decode-mode capture): the device time of the step without the host's launch cost, "
+                        "which bounds a small model's prefill")
     p.add_argument("--router-dtype", choices=["float32", "model", "bf16x2"], default="float32",
                    help="router weights in fp32 (as trained; cuBLAS runs them without tensor cores), or in the "
                         "model dtype (tensor cores; decisions near 0 can change, see results/router-dtype), "

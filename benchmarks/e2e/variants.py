@@ -65,8 +65,13 @@ def build_eager(w: "Workload", row=None) -> Built:
     return w.step_of(w.dense), w.reset, {}
 
 
+def _ungraphed(w: "Workload") -> bool:
+    """The dense / static step runs without CUDA graphs: on the CPU, and at prefill unless --prefill-cuda-graphs."""
+    return not w.cuda or (w.phase == "prefill" and not w.options.prefill_cuda_graphs)
+
+
 def build_inductor(w: "Workload", row=None) -> Built:
-    if w.phase == "prefill" or not w.cuda:
+    if _ungraphed(w):
         return w.step_of(w.inductor(w.dense)), w.reset, {"mode": "default"}
     return w.step_of(w.inductor(w.dense, "reduce-overhead")), w.cudagraph_tree_reset(), {"mode": "reduce-overhead"}
 
@@ -93,7 +98,7 @@ def build_static(w: "Workload", row: Row) -> Built:
     from . import models as MD
 
     sm, row.static_shape = MD.build_static(w.config, row.capacity, w.device, w.dtype, seed=w.options.seed + 1)
-    if w.phase == "prefill" or not w.cuda:
+    if _ungraphed(w):
         return w.step_of(w.inductor(sm)), w.reset, {"mode": "default", "_keep": sm}
     return (w.step_of(w.inductor(sm, "reduce-overhead")), w.cudagraph_tree_reset(),
             {"mode": "reduce-overhead", "_keep": sm})
@@ -150,14 +155,15 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
 
 def build_wide(w: "Workload", row: Row, **override) -> Built:
     o = dataclasses.replace(w.options, **override) if override else w.options
-    inductor_graphs = w.phase == "decode" and w.cuda and o.wide_decode_mode == "reduce-overhead"
+    graphs = w.phase == "decode" or o.prefill_cuda_graphs  # the phases timed in CUDA graphs
+    inductor_graphs = graphs and w.cuda and o.wide_decode_mode == "reduce-overhead"
     info = {"entry": o.wide_entry}  # "paths" arrives when the model compiles (its first call)
     step = w.step_of(compile_wide(w.wide_model, row.routers, o, capacity=row.capacity, info=info,
                                   **({"mode": "reduce-overhead"} if inductor_graphs else {})))
     if inductor_graphs:
         info["mode"] = "reduce-overhead"
         return step, w.cudagraph_tree_reset(), info
-    if w.phase == "decode" and o.wide_decode_mode == "manual-graph":
+    if graphs and o.wide_decode_mode == "manual-graph":
         try:
             return w.graphed(step, w.reset, info)
         except Exception as e:  # noqa: BLE001  time it without graphs and say why
