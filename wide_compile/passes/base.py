@@ -290,13 +290,19 @@ class Pass:
         raise NotImplementedError
 
 
+# the paths whose reduction runs the K-skipping tile kernel, which reads the transposed weight's rows
+KSKIP_PATHS = ("gather+kskip", "sorted+kskip", "kskip")
+
+
 def reduction_weight(ctx: "PassContext", w, decision, name: str, before):
-    """The reduction-side weight a free op reads as w_t [K, N] (down_proj / o_proj): a one-token graph on the
-    GEMV reads the Linear's own weight [N, K] through a transposed view (rows contiguous over K: the GEMV's
-    single-launch layout, and no second copy of the weight); every other graph a contiguous transposed copy,
-    made once now (the tile kernels read w_t's rows)."""
+    """The reduction-side weight a free op reads as w_t [K, N] (down_proj / o_proj). Where no token count the graph
+    runs takes a K-skipping tile kernel, the Linear's own weight [N, K] through a transposed view: the one-token
+    GEMV reads its rows whole (one launch, no split sum), cuBLAS takes it in the Linear's own layout, and the
+    model holds no second copy. Else a contiguous transposed copy, made once now (the tile kernel reads w_t's
+    rows)."""
     W = ctx.weights
-    if decision.T == 1 and decision.path == "gemv":
+    paths = [decision.path] if decision.T is not None else [p for _, p in decision.rows]
+    if not any(p in KSKIP_PATHS for p in paths):
         ctx.count("rewrite.weight_view")
         return W.call(torch.t, (w,))
     return W.transposed(W.tensor(w), name, before=before)

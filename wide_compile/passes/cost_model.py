@@ -210,8 +210,10 @@ GEMV_OP = {"mlp": "mlp", "o": "o_proj"}
 
 def gemv_split(op: str, one_token_graph: bool, row: dict, device=None) -> int:
     """How many K slices op's one-token reduction GEMV runs (kernels/gemv.py's tiles on `device`, with the row's
-    overrides) for the weight layout the pass hands it: the Linear's own weight in a graph of one token
-    (passes/base.reduction_weight), the transposed copy in a graph whose token count is dynamic; 1 for q."""
+    overrides) for the weight layout the pass hands it (passes/base.reduction_weight): the Linear's own weight in a
+    graph of one token; in a graph whose token count is dynamic the transposed copy's tiles, the layout it gets
+    where a larger token count runs the K-skipping kernel (else the view's unsplit GEMV runs, never slower); 1 for
+    q."""
     if op not in GEMV_OP:
         return 1
     from ..kernels.gemv import config_for

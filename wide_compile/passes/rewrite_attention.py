@@ -1,7 +1,8 @@
 """Pass 6: rewrite the routed attention projections (each on the path the cost model picks per token count,
-cost_model.py, recorded in the node's meta["wide_path"]): o -> wide.o_proj (weight transposed once, now, into
-a graph constant w_o_t [Nq, D]; a one-token graph on the GEMV reads o_proj's own weight through a view), q -> wide.q_proj (inactive head groups' columns exactly 0; only when the
-q -> sdpa path keeps heads apart, see detect_attention). K and V stay dense linears. With a fused qkv linear
+cost_model.py, recorded in the node's meta["wide_path"]): o -> wide.o_proj (weight as w_o_t [Nq, D]: a view of
+o_proj's own weight, or a graph constant transposed once, now, where the K-skipping tile kernel runs), q ->
+wide.q_proj (inactive head groups' columns exactly 0; only when the q -> sdpa path keeps heads apart, see
+detect_attention). K and V stay dense linears. With a fused qkv linear
 (rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest.
 A block whose router is structured (match_buckets) runs wide.o_proj_bucket (on o_proj's own weight [D, Nq]) and
 wide.q_proj_bucket instead; where the bucket ops cannot take it (match_buckets.bucket_refusal) it runs the

@@ -1,8 +1,8 @@
 """Pass 5: rewrite each routed gated MLP (gate, up, act, mul, [mask multiply], down) into one wide.mlp call
 with the gate's activation, on the path the cost model picks per token count (cost_model.py; recorded in the
-node's meta["wide_path"]). The down weight is transposed once, now, into a graph constant (w_down_t [F, D]), except
-in a one-token graph on the GEMV, which reads down_proj's own weight through a transposed view;
-gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy).
+node's meta["wide_path"]). The op reads the down weight as w_down_t [F, D]: a transposed view of down_proj's own
+weight, or, where a token count of the graph runs the K-skipping tile kernel, a graph constant transposed once, now
+(base.reduction_weight). Gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy).
 A block whose router is structured (match_buckets found its bucket and prototype table) runs
 wide.mlp_bucket instead, on down_proj's own weight [D, F]; where the bucket op cannot take the block
 (match_buckets.bucket_refusal) it runs wide.mlp on the mask protos[bucket], and the report says why."""
