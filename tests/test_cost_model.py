@@ -133,6 +133,28 @@ def test_plan_without_mask_stats_keeps_the_table():
     assert table is BASE and "no mask density" in d.source
 
 
+def test_a_kernel_class_ramp_prices_small_tile_grids():
+    """fixed_s (a kernel class's time beyond its roofline at a small shape) is added to each tile launch of the
+    class, never to the one-token GEMVs; with the shipped data the 135M prefill MLP runs dense-masked (its tile
+    gather measured at twice its roofline) while the 8B prefill keeps the sorted gather."""
+    eff = {k: dict(v) for k, v in DEVICE.efficiency.items()}
+    eff["gather"]["fixed_s"] = 5e-6
+    ramped = cm.DeviceCost("ramped", DEVICE.hbm_bytes_per_s, DEVICE.matmul_flop_per_s, DEVICE.launch_s, eff,
+                           DEVICE.margin)
+    assert ramped.seconds("gather", 1e6, 0) == pytest.approx(DEVICE.seconds("gather", 1e6, 0) + 5e-6)
+    assert ramped.seconds("gather", 1e6, 0, ramp=False) == DEVICE.seconds("gather", 1e6, 0)
+    s1 = cm.Shape(1, 4096, 14336, 128)
+    for dev in (DEVICE, ramped):  # the GEMV path's estimate does not move
+        assert cm.path_seconds("mlp", s1, cm.MaskStats(0.5), BASE.row(1, 128), dev)["gemv"] == pytest.approx(
+            cm.path_seconds("mlp", s1, cm.MaskStats(0.5), BASE.row(1, 128), DEVICE)["gemv"])
+    shipped = cm._load("default")
+    assert shipped.efficiency["gather"].get("fixed_s", 0) > 0
+    D, F, _, gf, _ = SHAPES["135m"]
+    assert cm.choose("mlp", cm.Shape(2048, D, F, gf), cm.MaskStats(0.5), BASE.row(2048, gf), shipped) == "dense_masked"
+    D, F, _, gf, _ = SHAPES["8b"]
+    assert cm.choose("mlp", cm.Shape(2048, D, F, gf), cm.MaskStats(0.5), BASE.row(2048, gf), shipped) == "sorted+dense"
+
+
 def test_device_data_files_load():
     for p in sorted(cm.COST_DIR.glob("*.json")):
         dev = cm._load(p.stem)

@@ -16,7 +16,7 @@ summation order), so the model may pick any of them; it picks the one it estimat
 
 A path's time is the sum over its launches of a roofline (bytes at the device's copy bandwidth, FLOPs at its
 matrix-product rate, each times the share of the ceiling that kernel class reaches) plus a per-launch
-overhead; the device's figures are data (kernels/configs/cost/<device>.json). The weights a tile reads are
+overhead and, for tile kernels, the class's ramp (its time beyond the roofline at a small shape); the device's figures are data (kernels/configs/cost/<device>.json). The weights a tile reads are
 the union of its tokens' active groups: 1 - (1 - c)^rows of them for independent masks of density c, or the
 measured union of `MaskStats`.
 
@@ -84,10 +84,14 @@ class DeviceCost:
             raise ValueError("cost data is {\"hbm_bytes_per_s\", \"matmul_flop_per_s\", \"launch_s\", \"efficiency\": "
                              f"{{kind: {{bandwidth, flops}}}}}} (kernels/configs/cost/), got {str(d)[:200]}") from e
 
-    def seconds(self, kind: str, nbytes: float, flops: float) -> float:
+    def seconds(self, kind: str, nbytes: float, flops: float, ramp: bool = True) -> float:
+        """One launch: the roofline at the kind's shares, the launch, and the kind's ramp ("fixed_s": the time a
+        kernel of that class takes beyond its roofline at a small shape, a tile grid's fill and drain; the
+        one-token GEMVs, one short pass over the weights, pass ramp=False)."""
         eff = self.efficiency[kind]
         return max(nbytes / (self.hbm_bytes_per_s * eff["bandwidth"]),
-                   flops / (self.matmul_flop_per_s * eff["flops"])) + self.launch_s
+                   flops / (self.matmul_flop_per_s * eff["flops"])) + self.launch_s + \
+            (eff.get("fixed_s", 0.0) if ramp else 0.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,9 +201,9 @@ def _gemv_reduce(s: Shape, st: MaskStats, split: int) -> list:
     partial rows, it needs the launch that adds them (gemv._split_sum_kernel)."""
     u = st.union_share(1)
     if split <= 1:
-        return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + s.d * s.elem, 2 * u * s.n * s.d)]
+        return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + s.d * s.elem, 2 * u * s.n * s.d, False)]
     part = split * s.d * 4
-    return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + part, 2 * u * s.n * s.d),
+    return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + part, 2 * u * s.n * s.d, False),
             ("pointwise", part + s.d * s.elem, 0)]
 
 
@@ -225,11 +229,11 @@ def gemv_split(op: str, one_token_graph: bool, row: dict, device=None) -> int:
 def _gemv_n(s: Shape, st: MaskStats, mats: int) -> tuple:
     """The one-token grouped-output GEMV (gate/up: mats = 2, q: 1) over the token's active groups."""
     u = st.union_share(1)
-    return ("gather", u * mats * s.n * s.d * s.elem + s.d * s.elem + s.n * s.elem, 2 * mats * u * s.n * s.d)
+    return ("gather", u * mats * s.n * s.d * s.elem + s.d * s.elem + s.n * s.elem, 2 * mats * u * s.n * s.d, False)
 
 
 def mlp_kernels(s: Shape, st: MaskStats, row: dict, split: int = DEFAULT_GEMV_SPLIT) -> dict:
-    """The launches of each MLP path: {path name: [(kind, bytes, flops), ...]} (s.n = F, s.d = D)."""
+    """The launches of each MLP path: {path name: [(kind, bytes, flops[, ramp]), ...]} (s.n = F, s.d = D)."""
     h = s.T * s.n * s.elem
     zero_h = ("pointwise", h, 0)
     sorted_lists = [("reorder", s.T * s.groups, 0)] * 2  # group counts, then group lists
