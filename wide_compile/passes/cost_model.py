@@ -17,8 +17,8 @@ summation order), so the model may pick any of them; it picks the one it estimat
 A path's time is the sum over its launches of a roofline (bytes at the device's copy bandwidth, FLOPs at its
 matrix-product rate, each times the share of the ceiling that kernel class reaches) plus a per-launch
 overhead and, for tile kernels, the class's ramp (its time beyond the roofline at a small shape); the device's
-figures are data (kernels/configs/cost/<device>.json). The weights a tile reads are the union of its tokens' active groups: 1 - (1 - c)^rows of them for independent masks of density c, or the
-measured union of `MaskStats`.
+figures are data (kernels/configs/cost/<device>.json). The weights a tile reads are the union of its tokens'
+active groups: 1 - (1 - c)^rows of them for independent masks of density c, or the measured union of `MaskStats`.
 
 The choice travels to the kernels as the tuning table's "path" / "down" fields (kernels/tuning.py): the pass
 hands each op a table whose rows carry the cost model's choice per range of T, so a graph with a dynamic
