@@ -659,3 +659,14 @@ def test_wide_table_and_fused_variants_are_recorded(tmp_path):
     assert r["kernel_path"] == "auto" and r["fuse_norm_router"] is False
     assert "speedup, fused norm+router" in (tmp_path / "e2e-smoke.md").read_text()
     assert "speedup, fused + dense-masked" in (tmp_path / "e2e-smoke.md").read_text()
+
+
+def test_prefill_cuda_graphs_option_and_report_note():
+    """--prefill-cuda-graphs is an option, and the report says which phases ran in CUDA graphs."""
+    from e2e.options import parse_options as parse
+    from e2e.report import _graphs_note
+
+    assert parse(["--smoke", "--prefill-cuda-graphs"]).prefill_cuda_graphs
+    assert not parse(["--smoke"]).prefill_cuda_graphs
+    assert "for prefill and decode" in _graphs_note({"command": "bench_e2e.py --prefill-cuda-graphs"})
+    assert "default mode for prefill" in _graphs_note({"command": "bench_e2e.py"})

@@ -98,10 +98,8 @@ def markdown(data: dict) -> str:
              "Times are medians in ms per step (prefill: one forward over tokens x batch, logits of the last "
              "position; decode: one token per sequence against a static KV cache of `tokens` positions). "
              "speedup = Inductor / WIDE; \"speedup vs fastest dense\" divides the fastest dense variant timed in "
-             "the same run (eager, Inductor, max-autotune, Inductor + graph, TRT) by WIDE; the Inductor column "
-             "is default mode for prefill and mode="
-             "\"reduce-overhead\" (CUDA graphs) for decode; WIDE decode runs in a manual CUDA graph. "
-             "p10/p90 and compile times per variant are in the JSON.", "",
+             "the same run (eager, Inductor, max-autotune, Inductor + graph, TRT) by WIDE; " + _graphs_note(data)
+             + " p10/p90 and compile times per variant are in the JSON.", "",
              "| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]
     for r in recs:
         if "speedup_vs_best_dense" not in r:
@@ -194,6 +192,15 @@ def capacity_table(records: list[dict], layers: int = 4, masks: str = "random",
             [ratio(c.get(round(q, 3)), "wide_ms") for q in capacities]
             + [ratio(c.get(round(q, 3)), "static_ms") for q in static_capacities]) + " |")
     return out
+
+
+def _graphs_note(data: dict) -> str:
+    """Which phases ran in CUDA graphs (--prefill-cuda-graphs puts prefill in them too)."""
+    if "--prefill-cuda-graphs" in str(data.get("command", "")):
+        return ("the Inductor and static columns are mode=\"reduce-overhead\" (CUDA graphs) for prefill and decode "
+                "(--prefill-cuda-graphs); WIDE runs in a manual CUDA graph in both phases.")
+    return ("the Inductor column is default mode for prefill and mode=\"reduce-overhead\" (CUDA graphs) for "
+            "decode; WIDE decode runs in a manual CUDA graph.")
 
 
 def _commands(data: dict, recs: list[dict]) -> list[str]:
