@@ -54,7 +54,8 @@
 #                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1);
 #                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows, LEAN_8B=0
 #                          the 8B rows; LEAN_ARGS adds bench_e2e options to the 8B rows (e.g. --head-group-size 4
-#                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_TESTS=0 skips the tests;
+#                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_8B_BATCH their decode
+#                          batches (default "1 8"), LEAN_TESTS=0 skips the tests;
 #                          LEAN_SMOL_PHASES picks the SmolLM2 phases (default "decode prefill"), LEAN_SMOL_NAME a
 #                          suffix to their files, LEAN_SMOL_ARGS adds bench_e2e options to them (e.g. --profile)
 #   norm_router            tests/test_kernel_norm_router.py compiled on CUDA, then benchmarks/bench_norm_router.py (the
@@ -451,7 +452,7 @@ step() {
     [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernel_norm_router.py tests/test_cost_model.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
     [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
-      --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 --masks random \
+      --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch ${LEAN_8B_BATCH:-1 8} --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-8b${LEAN_NAME:-} ${LEAN_ARGS:-}
     [ "${LEAN_SMOL:-1}" = 1 ] || return 0
