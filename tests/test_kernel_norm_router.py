@@ -118,7 +118,8 @@ def test_add_form_needs_matching_terms():
 
 def test_row_splits_of_linear_routers():
     assert NR.row_splits(1, 4096, 112) == (112, 1)    # 8B FFN: 1.8 MB, one router row per program, one launch
-    assert NR.row_splits(1, 576, 24) == (1, 32)       # SmolLM2 FFN, 55 KB: one program per token row
+    assert NR.row_splits(1, 576, 24) == (24, 1)       # SmolLM2 FFN, 55 KB: spread too (one program was latency-bound)
+    assert NR.row_splits(2048, 576, 24) == (1, 32)    # SmolLM2 prefill: one program per token row
     assert NR.row_splits(300, 4096, 112)[0] == 1      # prefill: the token rows fill the GPU
     assert NR.row_splits(1, 100, 6, split=4) == (3, 2)  # 6 rows over 4 programs asked: 3 programs of 2
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reorder import _as_uint8, _launcher
+from .reorder import _mask_bytes, _launcher
 from .tuning import cuda_device_key, interpreting
 
 MIN_BLOCK_H = 16        # a tl.dot needs at least 16 rows: the n_rep query heads of one KV head, padded
@@ -251,8 +251,8 @@ def attn_decode_triton(q, k, v, head_mask, group_size: int, key_mask: Optional[t
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("attn_decode needs K / V with a contiguous last (head_dim) dimension")
     q3 = q.reshape(B, Hq, D).contiguous()
-    hm = _as_uint8(head_mask)                                            # [B, G]
-    km = _as_uint8(key_mask) if key_mask is not None else hm
+    hm = _mask_bytes(head_mask)                                            # [B, G]
+    km = _mask_bytes(key_mask) if key_mask is not None else hm
     S, split_len = num_splits(B, Hkv, L, q.device, cfg["block_n"], cfg["programs_per_sm"])
     po, plse = _partials(B, Hq, S, D, q.device)
     out = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)

@@ -53,7 +53,7 @@ from . import gemv
 from .activations import ACT_IDS, gated_act
 from .compact_mlp import fit_shared_memory, gather_gemm, shared_memory_bytes
 from .dense_masked import mlp_dense_masked
-from .reorder import _as_uint8, _launcher, alloc
+from .reorder import _mask_bytes, _launcher, alloc
 from .tuning import DECODE_T, interpreting
 
 # Tile configs per device class and phase (decode: T <= DECODE_T). block_m is the token block both GEMMs and the
@@ -486,7 +486,7 @@ def bucket_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int
     pp2 = triton.next_power_of_2(P + 1)
     bt = min(1024, max(16, triton.next_power_of_2(T)), max(16, 16384 // pp2))  # [BT, PP2] histogram tile
     _launcher(_bucket_lists_kernel, wrap)[(P + 1,)](
-        bucket.contiguous(), _as_uint8(protos), sorted_ids, block_bucket, proto_groups, proto_counts, T, P, nb,
+        bucket.contiguous(), _mask_bytes(protos), sorted_ids, block_bucket, proto_groups, proto_counts, T, P, nb,
         G=G, GP2=triton.next_power_of_2(G), PP2=pp2, BM=block_m, BT=bt)
     return sorted_ids, block_bucket, proto_groups, proto_counts
 
@@ -505,7 +505,7 @@ def union_lists_triton(bucket: torch.Tensor, protos: torch.Tensor, block_m: int,
     proto_groups = alloc((nb, G), torch.int32, dev)
     proto_counts = alloc((nb,), torch.int32, dev)
     _launcher(_union_lists_kernel, wrap)[(nb,)](
-        bucket.contiguous(), _as_uint8(protos), order if order is not None else bucket, sorted_ids, block_bucket,
+        bucket.contiguous(), _mask_bytes(protos), order if order is not None else bucket, sorted_ids, block_bucket,
         proto_groups, proto_counts, T, P, G=G, GP2=triton.next_power_of_2(G), BM=block_m, ORDERED=order is not None)
     return sorted_ids, block_bucket, proto_groups, proto_counts
 
@@ -542,7 +542,7 @@ class BucketLists:
 def make_lists(bucket: torch.Tensor, protos: torch.Tensor, cfg: dict, wrap: bool = False) -> BucketLists:
     """The union block for few tokens (uses_union); else the padded bucket lists, or with config
     prefill_lists="union" blocks of consecutive tokens in width_order, each over the union of its prototypes."""
-    bucket, protos8 = bucket.contiguous(), _as_uint8(protos)
+    bucket, protos8 = bucket.contiguous(), _mask_bytes(protos)
     if uses_union(bucket.shape[0], cfg):
         lists, union = union_lists_triton(bucket, protos8, cfg["block_m"], wrap), True
     elif cfg["prefill_lists"] == "union":

@@ -16,7 +16,7 @@ import torch
 from .compact_mlp import kernel_config, ngather, kskip
 from .dense_masked import o_proj_dense_masked, q_proj_dense_masked
 from .gemv import o_proj_gemv_triton, q_proj_gemv_triton
-from .reorder import _as_uint8
+from .reorder import _mask_bytes
 
 
 def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int, *,
@@ -32,7 +32,7 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int, *,
         return q_proj_gemv_triton(x, w_q, b_q, mask, None, group_size, cfg, wrap)
     if cfg["path"] == "dense":  # small batches (the tuning table's dense rows): nothing left to skip
         return q_proj_dense_masked(x, w_q, b_q, mask, group_size)
-    mask8 = _as_uint8(mask)
+    mask8 = _mask_bytes(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
     ngather(x, w_q, None, b_q, out, mask8, G, group_size, cfg, gated=False,
             zero_inactive=False, wrap=wrap)
@@ -52,5 +52,5 @@ def o_proj_triton(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int, 
         return o_proj_gemv_triton(a, w_o_t.t(), b_o, mask, None, group_size, cfg, wrap)
     if cfg["path"] == "dense" or cfg.get("down") == "dense":  # small batches, prefill: mask, one cuBLAS GEMM
         return o_proj_dense_masked(a, w_o_t, b_o, mask, group_size)
-    mask8 = _as_uint8(mask)
+    mask8 = _mask_bytes(mask)
     return kskip(a, w_o_t, b_o, mask8, G, group_size, cfg, a.dtype, wrap)

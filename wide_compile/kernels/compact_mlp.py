@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .activations import ACT_IDS, gated_act
 from .dense_masked import mlp_dense_masked
-from .reorder import _as_uint8, _launcher, alloc, tile_lists_triton, group_lists_triton
+from .reorder import _mask_bytes, _launcher, alloc, tile_lists_triton, group_lists_triton
 from .tuning import DECODE_T, interpreting, resolve, with_phase_overrides  # noqa: F401  (DECODE_T: re-exported)
 
 
@@ -349,7 +349,7 @@ def mlp_triton(x, w_gate, w_up, w_down_t, mask, group_size: int, *, config: Opti
         return mlp_gemv_triton(x, w_gate, w_up, w_down_t.t(), mask, None, group_size, act, cfg, wrap)
     if cfg["path"] == "dense":  # small batches: every weight row is needed by some token anyway
         return mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size, act, wrap)
-    mask8 = _as_uint8(mask)
+    mask8 = _mask_bytes(mask)
     if cfg.get("down") == "dense":  # h zero on inactive pairs, then cuBLAS over K = F
         h = torch.zeros((T, F), dtype=x.dtype, device=x.device)
         ngather(x, w_gate, w_up, None, h, mask8, G, group_size, cfg, gated=True, zero_inactive=False, wrap=wrap,

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .activations import ACT_IDS, gated_act
 from .reference import activation
-from .reorder import _as_uint8, _launcher, alloc
+from .reorder import _mask_bytes, _launcher, alloc
 from .tuning import interpreting
 
 SELECT_BLOCK = 1024  # h columns per program of _gated_select_kernel
@@ -60,7 +60,7 @@ def gated_select_triton(g, u, mask, group_size: int, act: str = "silu", wrap: bo
     T, F = g.shape
     if act not in ACT_IDS:
         raise ValueError(f"gated_select: unknown activation {act!r}; choose one of {tuple(ACT_IDS)}")
-    m8 = _as_uint8(mask)
+    m8 = _mask_bytes(mask)
     h = alloc((T, F), g.dtype, g.device)
     if T == 0:
         return h

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .activations import ACT_IDS, gated_act
-from .reorder import _as_uint8, _launcher, alloc
+from .reorder import _mask_bytes, _launcher, alloc
 from .tuning import cuda_device_key, interpreting
 
 # Built-in tiles per device class and per layout of the reduction-side weight ("k_contiguous": W[d, k] rows
@@ -329,8 +329,8 @@ def _split_sum_kernel(part_ptr, b_ptr, out_ptr, mask_ptr, bucket_ptr, P, N, G: t
 # ----------------------------------------------------------------------------- launchers
 
 def _row_args(mask8, bucket):
-    """(mask as uint8 [P, G], the bucket pointer or a placeholder the kernels never read, P, BUCKET)."""
-    mask8 = _as_uint8(mask8)
+    """(mask as bytes [P, G] (bool or uint8), the bucket pointer or a placeholder the kernels never read, P, BUCKET)."""
+    mask8 = _mask_bytes(mask8)
     use_bucket = bucket is not None
     return mask8, (bucket.contiguous() if use_bucket else mask8), mask8.shape[0], use_bucket
 

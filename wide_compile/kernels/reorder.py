@@ -118,16 +118,18 @@ def _launcher(kernel, wrap):
         return kernel
 
 
-def _as_uint8(mask: torch.Tensor) -> torch.Tensor:
-    # Masks arrive as bool or already as uint8. Convert with .to(), never .view(): Inductor cannot lower
-    # aten.view.dtype to or from bool when a triton_op body is traced.
-    return mask.contiguous() if mask.dtype == torch.uint8 else mask.contiguous().to(torch.uint8)
+def _mask_bytes(mask: torch.Tensor) -> torch.Tensor:
+    # A mask of one byte per entry, as the kernels read it (each loads an entry and compares it with 0): bool or
+    # uint8 pass as they are. No conversion: where the mask is an opaque kernel's output (the fused norm + router)
+    # Inductor cannot fuse one into its producer, and each would be a launch of its own per op. Other dtypes
+    # become bool with .to(), never .view() (Inductor cannot lower aten.view.dtype to or from bool in a triton_op).
+    return mask.contiguous() if mask.dtype in (torch.bool, torch.uint8) else mask.contiguous().to(torch.bool)
 
 
 def tile_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False):
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
-    m8 = _as_uint8(mask)
+    m8 = _mask_bytes(mask)
     tg = alloc((n_tiles, G), torch.int32, mask.device)
     tc = alloc((n_tiles,), torch.int32, mask.device)
     _launcher(_tile_lists_kernel, wrap)[(n_tiles,)](
@@ -139,7 +141,7 @@ def group_lists_triton(mask: torch.Tensor, block_m: int, wrap: bool = False, wit
     T, G = mask.shape
     n_tiles = triton.cdiv(T, block_m)
     P = G * n_tiles * block_m
-    m8 = _as_uint8(mask)
+    m8 = _mask_bytes(mask)
     cnt = alloc((G,), torch.int32, mask.device)
     sorted_ids = alloc((P,), torch.int32, mask.device)
     bgroups = alloc((G * n_tiles,), torch.int32, mask.device)
