@@ -16,11 +16,13 @@ Cases (each in its own process, so a crash or hang is recorded as that case's fa
                        "lean": the method's pair routers on the residual stream, optimize(..., fuse_norm_router=True,
                        kernel_path="auto"), so each block's residual add, norm and router run as
                        wide.add_rmsnorm_router and a batch-1 decode step runs the one-token GEMVs; its greedy
-                       generate() is also compared at batch 1): logits (constant masks: max relative error
-                       < 3e-2; live routers: >= 90 % of positions within it, since bf16 can flip a decision
-                       that sits at 0), every layer rewritten into torch.ops.wide.*, greedy generate() with a
-                       static cache (batch 2, left padding) identical; on CUDA also mode="reduce-overhead"
-                       with an early-allocated cache (wc.static_cache)
+                       generate() is also compared at batch 1; mode "summed": the same routers with
+                       optimize(..., sum_routers=True), the decode-size routers as Inductor reductions): logits
+                       (constant masks: max relative error < 3e-2; live routers: >= 90 % of positions within
+                       it, since bf16 can flip a decision that sits at 0), every layer rewritten into
+                       torch.ops.wide.*, greedy generate() with a static cache (batch 2, left padding)
+                       identical; on CUDA also mode="reduce-overhead" with an early-allocated cache
+                       (wc.static_cache)
   smollm2:float32      the real SmolLM2-135M-Instruct with the shipped routers: greedy generate() identical
   smollm2-replay:bfloat16
                        the same model, replayed masks, SQNR verdict on the non-pad positions
@@ -97,9 +99,9 @@ def replay_verdict(comp, eager, exact, keep=None, margin_db=3.0, enough_db=60.0)
 def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     """mode: None, a torch.compile mode, or "sparse-attention" (KV-aligned head groups, optimize(...,
     sparse_attention=True): decode steps of generate() run wide.attn_decode over the active KV heads)."""
-    sparse, lean = mode == "sparse-attention", mode == "lean"
+    sparse, lean, summed = mode == "sparse-attention", mode == "lean", mode == "summed"
     cfg = wc.WideConfig(ffn_group_size=32, head_group_size="kv" if sparse else 1, router_init="random",
-                        **({"router_recipe": "wide"} if lean else {}))
+                        **({"router_recipe": "wide"} if lean or summed else {}))
     if sparse:
         cfg = cfg.for_model(tiny_model(arch, seed=0))
     model = tiny_model(arch, seed=0).to(device=device, dtype=dtype)
@@ -108,10 +110,10 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     wc.attach(ref, routers)
     c0 = (counters()["rewrite_mlp.rewritten"], counters()["rewrite_attention.o_rewritten"],
           counters()["rewrite_sdpa.decode"], counters()["fuse_norm_router.residual_add"],
-          counters()["rewrite.weight_view"])
+          counters()["rewrite.weight_view"], counters()["sum_routers.summed"])
     t0 = time.time()
     opts = {"sparse_attention": True} if sparse else {"fuse_norm_router": True, "kernel_path": "auto"} if lean else \
-        {} if mode is None else {"mode": mode}
+        {"sum_routers": True, "kernel_path": "auto"} if summed else {} if mode is None else {"mode": mode}
     cm = wc.optimize(model, routers, **opts)
     res = {"arch": arch, "routers": kind, "mode": mode or "default"}
     with torch.no_grad():
@@ -133,10 +135,10 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
         else:
             out = cm.generate(ids[:, :12], cache_implementation="static", **kw)
             exp = ref.generate(ids[:, :12], cache_implementation="static", **kw)
-        if lean:  # batch 1: each decode step is one token, the one-token GEMVs' shape
+        if lean or summed:  # batch 1: each decode step is one token, the one-token GEMVs' shape
             kw1 = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, cache_implementation="static")
             out1, exp1 = cm.generate(ids[:1, :12], **kw1), ref.generate(ids[:1, :12], **kw1)
-    res["generate_identical"] = bool(torch.equal(out, exp)) and (not lean or bool(torch.equal(out1, exp1)))
+    res["generate_identical"] = bool(torch.equal(out, exp)) and (not (lean or summed) or bool(torch.equal(out1, exp1)))
     if not res["generate_identical"]:
         diff = (out != exp).nonzero()
         res["first_divergence"] = diff[0].tolist() if len(diff) else None
@@ -144,6 +146,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     res["o_rewritten"] = counters()["rewrite_attention.o_rewritten"] - c0[1]
     if sparse:  # the decode graphs' attention ran wide.attn_decode
         res["sdpa_decode_rewritten"] = counters()["rewrite_sdpa.decode"] - c0[2]
+    if summed:  # the decode-size graphs' routers ran as reductions
+        res["routers_summed"] = counters()["sum_routers.summed"] - c0[5]
     if lean:  # the residual adds went into the fused norms, and some graph ran the one-token GEMVs
         res["residual_adds_fused"] = counters()["fuse_norm_router.residual_add"] - c0[3]
         # one-token graphs hand the GEMVs the Linear's own reduction weight (a graph whose token count Dynamo
@@ -160,7 +164,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     close = rel < tol if kind == "constant" else (rows_ok >= 0.9 and agree >= 0.95)
     res["ok"] = bool(close and res["generate_identical"] and res["mlp_rewritten"] > 0 and res["o_rewritten"] > 0
                      and (not sparse or res["sdpa_decode_rewritten"] > 0)
-                     and (not lean or (res["residual_adds_fused"] > 0 and res["gemv_ops"] > 0)))
+                     and (not lean or (res["residual_adds_fused"] > 0 and res["gemv_ops"] > 0))
+                     and (not summed or res["routers_summed"] > 0))
     res["wall_s"] = round(time.time() - t0, 1)
     return res
 
@@ -299,6 +304,7 @@ def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
         names.append("tiny:llama:random:reduce-overhead")
         names += [f"tiny:{a}:constant:sparse-attention" for a in ("llama", "mistral", "qwen2")]
         names += [f"tiny:{a}:random:lean" for a in ("llama", "mistral", "qwen2")]
+        names.append("tiny:llama:random:summed")
     if not quick:
         # greedy generate() identical: in fp32, where compiled and eager router decisions cannot drift apart
         # through bf16 rounding (in bf16 a decision that flips somewhere in a 30-layer model changes the

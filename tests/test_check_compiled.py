@@ -13,6 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 C = importlib.import_module("check_compiled_gpu")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_frames():
+    """Each case compiles the same model code afresh (the GPU check runs each in its own process): here they share
+    one, so each starts with no compiled frames and cannot meet Dynamo's recompile limit."""
+    torch._dynamo.reset()
+
+
 def test_replay_verdict_passes_and_fails():
     g = torch.Generator().manual_seed(0)
     exact = torch.randn(2, 5, 50, generator=g, dtype=torch.float64)
@@ -67,3 +74,11 @@ def test_check_tiny_lean_cpu():
     r = C.check_tiny("llama", "random", torch.device("cpu"), torch.float32, "lean")
     assert r["ok"], r
     assert r["residual_adds_fused"] > 0 and r["gemv_ops"] > 0 and r["generate_identical"]
+
+
+def test_check_tiny_summed_cpu():
+    """The GPU check's summed case on the CPU: the decode-size routers as reductions, generate() identical at
+    batch 2 and 1."""
+    r = C.check_tiny("llama", "random", torch.device("cpu"), torch.float32, "summed")
+    assert r["ok"], r
+    assert r["routers_summed"] > 0 and r["generate_identical"]

@@ -23,6 +23,8 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    keeps the tuning table's paths
     fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
                    run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
+    sum_routers    True: in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as one
+                   Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); default False
     strict         raise instead of warning when a routed block cannot use the WIDE kernels (default False: it keeps
                    its routing on the masked reference, with a warning)
     inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
@@ -45,7 +47,7 @@ from .passes._ops import missing_ops
 log = logging.getLogger("wide_compile.backend")
 
 _OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
-        "kernel_path", "mask_stats", "fuse_norm_router")
+        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -71,7 +73,8 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
         from .kernels.tuning import as_arg
 
         ctx = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
-                          fuse_norm_router=bool(own.get("fuse_norm_router"))).run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
+                          fuse_norm_router=bool(own.get("fuse_norm_router")),
+                          sum_routers=bool(own.get("sum_routers"))).run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                                 geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                                 kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))
         if own.get("report") is not None:

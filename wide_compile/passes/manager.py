@@ -24,6 +24,7 @@ from .match_buckets import MatchBuckets
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
+from .sum_routers import SumRouters
 
 
 def check_sparse_attention(value) -> None:
@@ -31,24 +32,28 @@ def check_sparse_attention(value) -> None:
         raise ValueError(f"sparse_attention must be 'auto', True or False, got {value!r}")
 
 
-def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False) -> list[Pass]:
+def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False,
+                   sum_routers: bool = False) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites the blocks whose head groups are KV-aligned
     (whole KV heads, so decode reads only the active groups' cache), True every block whose groups allow it
     (also 1-head groups, where decode reads nearly every KV head at capacity 0.5), False none; what each choice
     measured is in benchmarks/results/attention/README.md. `fuse_norm_router` adds fuse_norm_router (each
     block's RMSNorm and router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
-    (benchmarks/results/lean-h100/README.md). It runs last: the earlier passes hold the mask nodes it replaces."""
+    (benchmarks/results/lean-h100/README.md). It runs after the rewrites: the earlier passes hold the mask nodes it
+    replaces. `sum_routers` adds sum_routers (opt-in until timed): the routers left unfused in graphs of decode size
+    as one Inductor reduction each, after fuse_norm_router so that the fused ones stay fused."""
     check_sparse_attention(sparse_attention)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(), RewriteAttention()]
     passes += [RewriteSDPA(kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
-    return passes + [FuseNormRouter()] if fuse_norm_router else passes
+    return passes + ([FuseNormRouter()] if fuse_norm_router else []) + ([SumRouters()] if sum_routers else [])
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False):
-        self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router)
+                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = False):
+        self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
+                                                                             sum_routers)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,

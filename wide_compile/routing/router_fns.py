@@ -18,6 +18,19 @@ def linear_router_mask(h, w, b):
     return linear_logits(h, w, b) > 0
 
 
+def summed_linear_logits(h, w, b):
+    """linear_logits as a multiply-and-sum over the width (the same fp32 products, summed in another order):
+    compiled at a few tokens, Inductor makes it one reduction kernel with the bias and the threshold in it, where
+    an fp32 GEMM of one row runs as cuBLAS's dot and reduce kernels and the threshold as a third launch."""
+    # h: [..., D], w: [G, D], b: [G] -> [..., G]
+    z = (h.to(w.dtype).unsqueeze(-2) * w).sum(-1)
+    return z if b is None else z + b
+
+
+def summed_linear_router_mask(h, w, b):
+    return summed_linear_logits(h, w, b) > 0
+
+
 def split_logits(h: torch.Tensor, w2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """Logits of a linear router held as a bf16 pair (routers.split_bf16), for bf16 inputs: one tensor-core
     GEMM h @ [hi; lo]^T with fp32 accumulation and fp32 output (aten::mm.dtype on CUDA), then hi + lo in

@@ -1,0 +1,51 @@
+"""Pass 8 (opt-in: optimize(..., sum_routers=True)): at decode sizes, each unfused linear or pair router computes
+its logits as a multiply-and-sum over the width (router_fns.summed_linear_router_mask) instead of an fp32 GEMM.
+
+At a few tokens an fp32 router GEMM runs on cuBLAS as a dot kernel and a reduce kernel, then Inductor's threshold
+kernel: three launches of a few microseconds for a few kilobytes of weights, 120 of the SmolLM2 decode step's 724
+(benchmarks/results/lean-h100, fourth run). Written as a multiply-and-sum, the router is a reduction Inductor
+generates itself, with the bias and the threshold fused: one launch. A pair router has no nonlinearity between
+its layers, so it is composed into one linear map at compile time first (norm_router.compose_pair, as
+fuse_norm_router does).
+
+Which blocks: a rewritten block whose router was not fused into its norm, with a static token count of at most
+DECODE_T (larger graphs keep the GEMM, which wins once the rows fill tiles), and a linear or pair router with
+float32 weights (fuse_norm_router.match_router). The products are the same fp32 products, summed in another
+order: the same freedom any compiled fp32 GEMM has. The pass never changes what else a block computes.
+"""
+from __future__ import annotations
+
+from ..kernels.tuning import DECODE_T
+from ..routing import router_fns as fns
+from ._graph import erase_unused, static_rows
+from .base import Pass, PassContext, log
+from .fuse_norm_router import FuseNormRouter, match_router
+
+
+class SumRouters(Pass):
+    name = "sum_routers"
+
+    def __call__(self, ctx: PassContext) -> None:
+        for blk in [*ctx.attns, *ctx.mlps]:
+            if blk.status != "rewritten" or blk.mask is None or blk.mask.op == "get_attr" or blk.router_fused:
+                continue
+            T = static_rows(blk.x)
+            if T is None or T > DECODE_T:
+                continue
+            r, why = match_router(blk.mask)
+            if r is None:
+                log.info("wide: layer %d: router kept as a GEMM: %s", blk.layer, why)
+                continue
+            kind, h, tensors, nodes = r
+            if kind == "mlp":  # a SiLU between its layers: two reductions and a pointwise, not one launch
+                continue
+            at = blk.mask
+            if kind == "pair":
+                tensors = FuseNormRouter._composed(ctx, tensors, at)
+            with ctx.gm.graph.inserting_before(at):
+                new = ctx.weights.call(fns.summed_linear_router_mask, (h, *tensors[:2]))
+            blk.mask.replace_all_uses_with(new)
+            blk.mask = new
+            erase_unused(ctx.gm, nodes)
+            ctx.count("sum_routers.summed")
+            log.info("wide: layer %d: %s router summed over the width (%d tokens)", blk.layer, kind, T)
