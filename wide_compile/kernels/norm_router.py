@@ -288,7 +288,7 @@ def row_splits(T: int, D: int, G: int, split: Optional[int] = None) -> tuple[int
     SPLIT_PROGRAMS programs run, whatever the router's size (`split` forces the programs per row, for tests).
     Splitting rows costs no second launch (each program reads the whole row for its logits and writes its own
     columns of the norm), so even a small router spreads: one program reading SmolLM2's 24 x 576 fp32 router alone
-    took 8.8 us per call at one token (results/lean-h100, fourth run), where the norm it replaces takes about 2."""
+    was slower than the unfused norm and router it replaces (results/lean-h100, the fourth run's profile)."""
     if split is None:
         split = max(1, SPLIT_PROGRAMS // max(T, 1))
     GB = triton.next_power_of_2(triton.cdiv(G, max(1, min(split, G))))

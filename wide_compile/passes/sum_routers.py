@@ -2,8 +2,8 @@
 its logits as a multiply-and-sum over the width (router_fns.summed_linear_router_mask) instead of an fp32 GEMM.
 
 At a few tokens an fp32 router GEMM runs on cuBLAS as a dot kernel and a reduce kernel, then Inductor's threshold
-kernel: three launches of a few microseconds for a few kilobytes of weights, 120 of the SmolLM2 decode step's 724
-(benchmarks/results/lean-h100, fourth run). Written as a multiply-and-sum, the router is a reduction Inductor
+kernel: three launches for a few kilobytes of weights, a visible share of a small model's decode step
+(benchmarks/results/lean-h100, the fourth run's profile). Written as a multiply-and-sum, the router is a reduction Inductor
 generates itself, with the bias and the threshold fused: one launch. A pair router has no nonlinearity between
 its layers, so it is composed into one linear map at compile time first (norm_router.compose_pair, as
 fuse_norm_router does).
