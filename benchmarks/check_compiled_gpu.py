@@ -96,6 +96,11 @@ def replay_verdict(comp, eager, exact, keep=None, margin_db=3.0, enough_db=60.0)
             "ok": s_c >= min(s_e - margin_db, enough_db)}
 
 
+def _added(before: dict, key: str) -> int:
+    """How much the pass counter `key` grew since the snapshot `before`."""
+    return counters()[key] - before.get(key, 0)
+
+
 def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     """mode: None, a torch.compile mode, or "sparse-attention" (KV-aligned head groups, optimize(...,
     sparse_attention=True): decode steps of generate() run wide.attn_decode over the active KV heads)."""
@@ -108,9 +113,7 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     ref = tiny_model(arch, seed=0).to(device=device, dtype=dtype)
     routers = _routers(model, ref, kind, cfg, device)
     wc.attach(ref, routers)
-    c0 = (counters()["rewrite_mlp.rewritten"], counters()["rewrite_attention.o_rewritten"],
-          counters()["rewrite_sdpa.decode"], counters()["fuse_norm_router.residual_add"],
-          counters()["rewrite.weight_view"], counters()["sum_routers.summed"])
+    c0 = dict(counters())  # what this case's compiles add: counters() - c0, per key
     t0 = time.time()
     opts = {"sparse_attention": True} if sparse else {"fuse_norm_router": True, "kernel_path": "auto"} if lean else \
         {"sum_routers": True, "kernel_path": "auto"} if summed else {} if mode is None else {"mode": mode}
@@ -142,17 +145,17 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     if not res["generate_identical"]:
         diff = (out != exp).nonzero()
         res["first_divergence"] = diff[0].tolist() if len(diff) else None
-    res["mlp_rewritten"] = counters()["rewrite_mlp.rewritten"] - c0[0]
-    res["o_rewritten"] = counters()["rewrite_attention.o_rewritten"] - c0[1]
+    res["mlp_rewritten"] = _added(c0, "rewrite_mlp.rewritten")
+    res["o_rewritten"] = _added(c0, "rewrite_attention.o_rewritten")
     if sparse:  # the decode graphs' attention ran wide.attn_decode
-        res["sdpa_decode_rewritten"] = counters()["rewrite_sdpa.decode"] - c0[2]
+        res["sdpa_decode_rewritten"] = _added(c0, "rewrite_sdpa.decode")
     if summed:  # the decode-size graphs' routers ran as reductions
-        res["routers_summed"] = counters()["sum_routers.summed"] - c0[5]
+        res["routers_summed"] = _added(c0, "sum_routers.summed")
     if lean:  # the residual adds went into the fused norms, and some graph ran the one-token GEMVs
-        res["residual_adds_fused"] = counters()["fuse_norm_router.residual_add"] - c0[3]
+        res["residual_adds_fused"] = _added(c0, "fuse_norm_router.residual_add")
         # one-token graphs hand the GEMVs the Linear's own reduction weight (a graph whose token count Dynamo
         # made dynamic keeps the transposed copy): recorded, not required
-        res["reduction_weight_views"] = counters()["rewrite.weight_view"] - c0[4]
+        res["reduction_weight_views"] = _added(c0, "rewrite.weight_view")
         res["gemv_ops"] = sum(path == "gemv" for r in getattr(cm, "_wide_reports", []) for d in [*r.mlp, *r.attn]
                               for path in (d.get("paths") or {}).values())
     res["explain"] = str(wc.explain(cm)).splitlines()[:4]

@@ -288,7 +288,8 @@ def test_wrapper_under_torch_compile():
 def test_cuda_body_traces_with_fake_tensors():
     """The ops' CUDA bodies traced with fake CUDA tensors (as Inductor traces a triton_op): three kernel launches
     for the MLP, two for each projection (one token, on the GEMVs over the Linear's own reduction weight, no split
-    over K: two for the MLP, one for q, one for o), static shapes. Runs in a subprocess without TRITON_INTERPRET (compiled-mode Triton functions)."""
+    over K: two for the MLP, one for q, one for o), static shapes. Runs in a subprocess without TRITON_INTERPRET
+    (compiled-mode Triton functions)."""
     code = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode

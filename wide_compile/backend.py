@@ -72,11 +72,12 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     else:
         from .kernels.tuning import as_arg
 
-        ctx = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
-                          fuse_norm_router=bool(own.get("fuse_norm_router")),
-                          sum_routers=bool(own.get("sum_routers"))).run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
-                                geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
-                                kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))
+        passes = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
+                             fuse_norm_router=bool(own.get("fuse_norm_router")),
+                             sum_routers=bool(own.get("sum_routers")))
+        ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
+                         geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
+                         kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))
         if own.get("report") is not None:
             own["report"](ctx.report)
     counters()["compiled_graphs"] += 1

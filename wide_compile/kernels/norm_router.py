@@ -16,10 +16,11 @@ routers do not fuse (passes/fuse_norm_router.py leaves them).
 A linear router (and a pair router, which is one linear map: compose_pair; the pass composes it at compile time)
 runs in one launch at any size: its rows split over S programs per token row (row_splits), each computing the
 whole row's statistic, its own rows' logits over the whole width, and its slice of the normalized output; at
-prefill (many token rows) one program per row. An "mlp" router has a SiLU between its layers, so it splits the width instead
-(num_splits): S programs per row each compute the statistic and their columns' y and first-layer sums, and a
-second launch adds the S partial sums and finishes the router. Either way the row is read from memory once (the
-other reads hit L1/L2); at decode one program would leave the GPU idle while it reads the router's weights.
+prefill (many token rows) one program per row. An "mlp" router has a SiLU between its layers, so it splits the
+width instead (num_splits): S programs per row each compute the statistic and their columns' y and first-layer
+sums, and a second launch adds the S partial sums and finishes the router. Either way the row is read from
+memory once (the other reads hit L1/L2); at decode one program would leave the GPU idle while it reads the
+router's weights.
 
 The add form (``add_rmsnorm_router``) also takes the residual add that precedes a decoder block's norm:
 x = a + b (rounded to a's dtype, as the model's own add), written out as the new residual stream, then the norm

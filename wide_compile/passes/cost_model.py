@@ -196,9 +196,10 @@ def _reorder(s: Shape, row: dict) -> list:
     return [] if row.get("lists", "kernel") == "none" else [("reorder", s.T * s.groups + 4 * s.T * s.groups, 0)]
 
 
-def _gemv_reduce(s: Shape, st: MaskStats, split: int) -> list:
+def _gemv_reduce(s: Shape, st: MaskStats, split: int | None) -> list:
     """The one-token K-skipping GEMV (down / o) over the token's active weights; split over K into `split` fp32
-    partial rows, it needs the launch that adds them (gemv._split_sum_kernel)."""
+    partial rows (None: DEFAULT_GEMV_SPLIT), it needs the launch that adds them (gemv._split_sum_kernel)."""
+    split = DEFAULT_GEMV_SPLIT if split is None else split
     u = st.union_share(1)
     if split <= 1:
         return [("kskip", u * s.n * s.d * s.elem + s.n * s.elem + s.d * s.elem, 2 * u * s.n * s.d, False)]
@@ -232,7 +233,7 @@ def _gemv_n(s: Shape, st: MaskStats, mats: int) -> tuple:
     return ("gather", u * mats * s.n * s.d * s.elem + s.d * s.elem + s.n * s.elem, 2 * mats * u * s.n * s.d, False)
 
 
-def mlp_kernels(s: Shape, st: MaskStats, row: dict, split: int = DEFAULT_GEMV_SPLIT) -> dict:
+def mlp_kernels(s: Shape, st: MaskStats, row: dict, split: int | None = None) -> dict:
     """The launches of each MLP path: {path name: [(kind, bytes, flops[, ramp]), ...]} (s.n = F, s.d = D)."""
     h = s.T * s.n * s.elem
     zero_h = ("pointwise", h, 0)
@@ -253,8 +254,9 @@ def mlp_kernels(s: Shape, st: MaskStats, row: dict, split: int = DEFAULT_GEMV_SP
     return paths
 
 
-def q_kernels(s: Shape, st: MaskStats, row: dict, split: int = 1) -> dict:
-    """q_proj's paths (s.d = D, s.n = Nq): the output is zero-filled before a gather writes the active pairs."""
+def q_kernels(s: Shape, st: MaskStats, row: dict, split: int | None = None) -> dict:
+    """q_proj's paths (s.d = D, s.n = Nq): the output is zero-filled before a gather writes the active pairs
+    (`split`: the other ops' signature; q has no reduction GEMV)."""
     out = ("pointwise", s.T * s.n * s.elem, 0)
     paths = {"dense_masked": [_gemm(s), ("pointwise", 2 * s.T * s.n * s.elem, 0)],
              "gather": [out] + _reorder(s, row) + [_gather(s, st, row["up_bm"], 1, False)],
@@ -265,7 +267,7 @@ def q_kernels(s: Shape, st: MaskStats, row: dict, split: int = 1) -> dict:
     return paths
 
 
-def o_kernels(s: Shape, st: MaskStats, row: dict, split: int = DEFAULT_GEMV_SPLIT) -> dict:
+def o_kernels(s: Shape, st: MaskStats, row: dict, split: int | None = None) -> dict:
     """o_proj's paths (s.n = Nq its input width, s.d = D its output): select + dense GEMM, or K-skip."""
     paths = {"dense_masked": [("pointwise", 2 * s.T * s.n * s.elem, 0), _gemm(s)],
              "kskip": _reorder(s, row) + _kskip(s, st, row)}
@@ -279,9 +281,8 @@ KERNELS = {"mlp": mlp_kernels, "q": q_kernels, "o": o_kernels}
 
 def path_seconds(op: str, s: Shape, st: MaskStats, row: dict, dev: DeviceCost, split: int | None = None) -> dict:
     """{path: estimated seconds} for one op at one token count, with the tile sizes of the table's row; `split`:
-    the one-token reduction GEMV's K slices (gemv_split; default the kernel functions')."""
-    extra = {} if split is None else {"split": split}
-    return {name: sum(dev.seconds(*k) for k in ks) for name, ks in KERNELS[op](s, st, row, **extra).items()}
+    the one-token reduction GEMV's K slices (gemv_split; None: DEFAULT_GEMV_SPLIT)."""
+    return {name: sum(dev.seconds(*k) for k in ks) for name, ks in KERNELS[op](s, st, row, split).items()}
 
 
 def table_path(op: str, row: dict, T: int = 1) -> str:
@@ -348,6 +349,10 @@ def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: Mask
         kernel_path = "table" if kernel_path == "auto" else kernel_path
         source = "tuning table (no mask density known)" if kernel_path == "table" else source
     st = stats or MaskStats(1.0)
+
+    def split_at(t: int, eff: dict) -> int | None:  # the one-token GEMV's K slices, at T = 1 only
+        return gemv_split(op, shape.T == 1, eff, device) if t == 1 else None
+
     grid = sorted(set(T_GRID) | {t for t, _ in base.rows} | ({shape.T} if shape.T else set()))
     rows, named = [], []
     for t in grid:
@@ -355,15 +360,14 @@ def plan(op: str, shape: Shape, base: KernelTuning, dev: DeviceCost, stats: Mask
         over = _phase_overrides(base, t)  # applied by the kernels after the row: they decide as the kernels run
         s = Shape(t, shape.d, shape.n, shape.group_size, shape.elem)
         eff = with_phase_overrides(row, over)
-        split = gemv_split(op, shape.T == 1, eff, device) if t == 1 else None
-        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, eff, dev, kernel_path, split)]}
+        cfg = {**row, **PATH_FIELDS[op][choose(op, s, st, eff, dev, kernel_path, split_at(t, eff))]}
         if not rows or rows[-1][1] != cfg:
             rows.append((t, cfg))
             named.append((t, table_path(op, with_phase_overrides(cfg, over), t)))
     T = shape.T or 1
     at = Shape(T, shape.d, shape.n, shape.group_size, shape.elem)
     eff = with_phase_overrides(base.row(T, shape.group_size), _phase_overrides(base, T))
-    secs = path_seconds(op, at, st, eff, dev, gemv_split(op, shape.T == 1, eff, device) if T == 1 else None)
+    secs = path_seconds(op, at, st, eff, dev, split_at(T, eff))
     path = next(p for t, p in reversed(named) if t <= T)
     merged = [named[0]] + [b for a, b in zip(named, named[1:]) if a[1] != b[1]]
     table = base if kernel_path == "table" else KernelTuning(base.device, tuple(rows), base.overrides)

@@ -12,8 +12,8 @@ composes it into one linear map at compile time (norm_router.compose_pair), whic
 at any size. When the norm's input is the residual add of two tensors of its shape and dtype (a decoder block's
 `residual + out`) whose other users all come after the block's norm, the add goes into the same launch
 (wide.add_rmsnorm_router, whose first output is the sum the later users read): Inductor fuses that add into its
-own norm kernel, so a fused norm without it would add a launch. Anything else (codebook / nested / constant / replay /
-split-bf16 routers, routers in another dtype, a norm of another form, intermediate values used elsewhere)
+own norm kernel, so a fused norm without it would add a launch. Anything else (codebook / nested / constant /
+replay / split-bf16 routers, routers in another dtype, a norm of another form, intermediate values used elsewhere)
 is left as it is, with the reason in the report: the pass never changes what a block computes.
 """
 from __future__ import annotations
@@ -124,6 +124,19 @@ def match_router(mask):
     return (kind, h0, tuple(tensors), nodes + casts), ""
 
 
+def pair_as_linear(ctx: PassContext, tensors, at) -> tuple:
+    """Graph constants (W [G, D], c [G]) of a pair router's (w_down, b_down, w_up, b_up) composed into the one
+    linear map it is (norm_router.compose_pair), made once at compile time and inserted before `at`."""
+    from ..kernels.norm_router import compose_pair  # the kernels import Triton: only when a pair router is composed
+
+    real = [ctx.weights.tensor(t) if t is not None else None for t in tensors]
+    key = tuple(id(t) for t in real)
+    with torch.no_grad():
+        composed = compose_pair(*real)
+    return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda t=t: t, before=at)
+                 for i, (name, t) in enumerate(zip(("router_w", "router_b"), composed)))
+
+
 def _private(nodes, keep) -> bool:
     """Every node's users lie within `nodes` (or are `keep`): replacing the router leaves nothing dangling."""
     inside = set(nodes)
@@ -171,7 +184,7 @@ class FuseNormRouter(Pass):
         order = node_index(ctx.gm)
         at = min([norm, *blk.mask.users], key=order.__getitem__)
         if kind == "pair":  # one linear map (compose_pair): the fused kernel then runs in one launch at any size
-            kind, tensors = "linear", self._composed(ctx, tensors, at)
+            kind, tensors = "linear", pair_as_linear(ctx, tensors, at)
         norm_nodes = self._norm_nodes(norm, h)
         terms = self._residual_add(h, at, order, {norm, *nodes, *norm_nodes})
         args = (h, w_norm, eps, router_input, kind, *tensors)
@@ -194,18 +207,6 @@ class FuseNormRouter(Pass):
         log.info("wide: layer %d: %s router (%s) fused into its RMSNorm%s", blk.layer, kind, router_input,
                  " and residual add -> wide.add_rmsnorm_router" if terms else " -> wide.rmsnorm_router")
         return ""
-
-    @staticmethod
-    def _composed(ctx, tensors, at) -> tuple:
-        """Constants (W [G, D], c [G]) of a pair router's composed linear map, made once at compile time."""
-        from ..kernels.norm_router import compose_pair  # the kernels import Triton: only when a pair router fuses
-
-        real = [ctx.weights.tensor(t) if t is not None else None for t in tensors]
-        key = tuple(id(t) for t in real)
-        with torch.no_grad():
-            composed = compose_pair(*real)
-        return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda t=t: t, before=at)
-                     for i, (name, t) in enumerate(zip(("router_w", "router_b"), composed)))
 
     @staticmethod
     def _residual_add(h, at, order, inside) -> tuple | None:

@@ -3,10 +3,10 @@ its logits as a multiply-and-sum over the width (router_fns.summed_linear_router
 
 At a few tokens an fp32 router GEMM runs on cuBLAS as a dot kernel and a reduce kernel, then Inductor's threshold
 kernel: three launches for a few kilobytes of weights, a visible share of a small model's decode step
-(benchmarks/results/lean-h100, the fourth run's profile). Written as a multiply-and-sum, the router is a reduction Inductor
-generates itself, with the bias and the threshold fused: one launch. A pair router has no nonlinearity between
-its layers, so it is composed into one linear map at compile time first (norm_router.compose_pair, as
-fuse_norm_router does).
+(benchmarks/results/lean-h100, the fourth run's profile). Written as a multiply-and-sum, the router is a
+reduction Inductor generates itself, with the bias and the threshold fused: one launch. A pair router has no
+nonlinearity between its layers, so it is composed into one linear map at compile time first
+(fuse_norm_router.pair_as_linear, as fuse_norm_router does).
 
 Which blocks: a rewritten block whose router was not fused into its norm, with a static token count of at most
 DECODE_T (larger graphs keep the GEMM, which wins once the rows fill tiles), and a linear or pair router with
@@ -19,7 +19,7 @@ from ..kernels.tuning import DECODE_T
 from ..routing import router_fns as fns
 from ._graph import erase_unused, static_rows
 from .base import Pass, PassContext, log
-from .fuse_norm_router import FuseNormRouter, match_router
+from .fuse_norm_router import match_router, pair_as_linear
 
 
 class SumRouters(Pass):
@@ -41,7 +41,7 @@ class SumRouters(Pass):
                 continue
             at = blk.mask
             if kind == "pair":
-                tensors = FuseNormRouter._composed(ctx, tensors, at)
+                tensors = pair_as_linear(ctx, tensors, at)
             with ctx.gm.graph.inserting_before(at):
                 new = ctx.weights.call(fns.summed_linear_router_mask, (h, *tensors[:2]))
             blk.mask.replace_all_uses_with(new)
