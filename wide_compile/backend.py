@@ -25,6 +25,9 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
     sum_routers    True: in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as one
                    Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); default False
+    fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
+                   GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
+                   keeps them as their own linears
     strict         raise instead of warning when a routed block cannot use the WIDE kernels (default False: it keeps
                    its routing on the masked reference, with a warning)
     inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
@@ -47,7 +50,7 @@ from .passes._ops import missing_ops
 log = logging.getLogger("wide_compile.backend")
 
 _OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
-        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers")
+        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -74,7 +77,8 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
 
         passes = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
                              fuse_norm_router=bool(own.get("fuse_norm_router")),
-                             sum_routers=bool(own.get("sum_routers")))
+                             sum_routers=bool(own.get("sum_routers")),
+                             fuse_qkv=bool(own.get("fuse_qkv", True)))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))

@@ -16,6 +16,7 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
                 launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
   wide_summed   wide with the decode-size routers as Inductor reductions (sum_routers=True)
+  wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -142,6 +143,7 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
         # sparse_attention stated either way, so a row means the same whatever optimize's default is
         own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
                    fuse_norm_router=options.fuse_norm_router, sum_routers=options.sum_routers,
+                   fuse_qkv=options.fuse_qkv,
                    sparse_attention=bool(options.sparse_attention))
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
@@ -208,6 +210,10 @@ def build_wide_summed(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, sum_routers=True)
 
 
+def build_wide_qkv_split(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, fuse_qkv=False)
+
+
 def build_wide_fused_dense(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, fuse_norm_router=True, kernel_path="dense")
 
@@ -225,10 +231,11 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("wide_fused", "wide_fused", "routers", build_wide_fused, why_not=_wide_why_not),
     VariantSpec("wide_fused_dense", "wide_fused_dense", "routers", build_wide_fused_dense, why_not=_wide_why_not),
     VariantSpec("wide_summed", "wide_summed", "routers", build_wide_summed, why_not=_wide_why_not),
+    VariantSpec("wide_qkv_split", "wide_qkv_split", "routers", build_wide_qkv_split, why_not=_wide_why_not),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
 # timed only when --variants names them (each is one more WIDE compile per row)
-OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed")
+OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed", "wide_qkv_split")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")

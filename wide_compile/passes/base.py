@@ -109,6 +109,7 @@ class AttnMatch(_BlockForm):
     protos: fx.Node | None = None
     ops: dict = field(default_factory=dict)  # "q" / "o" -> the wide op each runs ("o_proj" / "o_proj_bucket")
     bucket_reason: str = ""
+    kv_fused: bool = False               # K / V run in q's wide.q_proj launch (rewrite_attention: QKV_PATHS)
 
 
 DENSE_EVERYWHERE = ("every routed projection runs its dense-masked path here (the cost model finds no weight tile "

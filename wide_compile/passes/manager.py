@@ -33,7 +33,7 @@ def check_sparse_attention(value) -> None:
 
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False,
-                   sum_routers: bool = False) -> list[Pass]:
+                   sum_routers: bool = False, fuse_qkv: bool = True) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites the blocks whose head groups are KV-aligned
     (whole KV heads, so decode reads only the active groups' cache), True every block whose groups allow it
@@ -42,18 +42,21 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     block's RMSNorm and router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
     (benchmarks/results/lean-h100/README.md). It runs after the rewrites: the earlier passes hold the mask nodes it
     replaces. `sum_routers` adds sum_routers (opt-in until timed): the routers left unfused in graphs of decode size
-    as one Inductor reduction each, after fuse_norm_router so that the fused ones stay fused."""
+    as one Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default)
+    lets K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS)."""
     check_sparse_attention(sparse_attention)
-    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(), RewriteAttention()]
+    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
+              RewriteAttention(fuse_qkv=fuse_qkv)]
     passes += [RewriteSDPA(kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
     return passes + ([FuseNormRouter()] if fuse_norm_router else []) + ([SumRouters()] if sum_routers else [])
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = False):
+                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = False,
+                 fuse_qkv: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
-                                                                             sum_routers)
+                                                                             sum_routers, fuse_qkv)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,

@@ -6,14 +6,23 @@ detect_attention). K and V stay dense linears. With a fused qkv linear
 (rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest.
 A block whose router is structured (match_buckets) runs wide.o_proj_bucket (on o_proj's own weight [D, Nq]) and
 wide.q_proj_bucket instead; where the bucket ops cannot take it (match_buckets.bucket_refusal) it runs the
-free-mask ops on protos[bucket], and the report says why."""
+free-mask ops on protos[bucket], and the report says why.
+
+Where q's path at the graph's token count is a one-token GEMV or the dense-masked GEMM (decode sizes, and prefill
+where the masks leave no tile unused) and K / V are separate linears on q's input, q, K and V run as one
+wide.q_proj over a compile-time concatenation of their weights [q; k; v], with K / V as groups that are always on
+(the router's mask padded with ones): the step reads the same bytes in one launch instead of three, and the
+reports count it (rewrite_attention.qkv_fused). The concatenated weight is a second copy of the three weights,
+made once at compile time. fuse_qkv=False (optimize / the backend) keeps K / V as their own linears."""
 from __future__ import annotations
 
 import operator
 
+import torch
+import torch.nn.functional as F
 from torch import fx
 
-from ._graph import _rows_of_slice, erase_unused, last_dim, linear_parts, node_index
+from ._graph import _rows_of_slice, erase_unused, is_linear, last_dim, linear_parts, node_index, static_rows
 from ._ops import wide_o_proj_bucket_nd, wide_o_proj_nd, wide_q_proj_bucket_nd, wide_q_proj_nd
 from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log, reduction_weight
 from .match_buckets import bucket_refusal
@@ -54,8 +63,16 @@ def _why_not(ctx: PassContext, a: AttnMatch, wq: fx.Node, wo: fx.Node, nq):
     return ctx.group_mismatch("attn", a.groups, a.group_size, nq), GROUPING_FIX
 
 
+# q's paths on which K and V join q's launch: the one-token GEMV reads each row it computes once, and the
+# dense-masked GEMM computes every row anyway, so always-on K / V rows cost on them what K / V's own linears cost
+QKV_PATHS = ("gemv", "dense_masked")
+
+
 class RewriteAttention(Pass):
     name = "rewrite_attention"
+
+    def __init__(self, fuse_qkv: bool = True):
+        self.fuse_qkv = fuse_qkv
 
     def __call__(self, ctx: PassContext) -> None:
         W = ctx.weights
@@ -81,16 +98,18 @@ class RewriteAttention(Pass):
             if a.q_ok and max(order.get(n, -1) for n in routing) > order.get(a.q, 0) and a.mask.op != "get_attr":
                 a.q_ok, a.q_reason = False, "router mask is computed after q"
             if a.q_ok:
-                with ctx.gm.graph.inserting_before(a.q):
-                    new_q = _bucket_q(ctx, a) if bucket else _free_mask_q(ctx, a, wo, nq)
+                kv = None if bucket or not self.fuse_qkv else _kv_to_fuse(ctx, a, order)
+                with ctx.gm.graph.inserting_before(min([a.q, *(kv or [])], key=order.__getitem__)):
+                    new_q = _bucket_q(ctx, a) if bucket else _free_mask_q(ctx, a, wo, nq, kv)
                 a.q.replace_all_uses_with(new_q)
-                erase_unused(ctx.gm, [a.q])
+                erase_unused(ctx.gm, [a.q, *(kv if a.kv_fused else [])])
                 if q_rows is not None and not _split_fused_kv(ctx, a):
                     a.q_reason = "fused qkv: its q columns are computed again in the fused linear"
                 ctx.count("rewrite_attention.q_rewritten")
             a.status = "rewritten"
-            log.info("wide: layer %d: attention -> wide.%s%s (%d head groups of %d columns), K/V dense",
-                     a.layer, a.ops["o"], f" + wide.{a.ops['q']}" if a.q_ok else "", a.groups, a.group_size)
+            log.info("wide: layer %d: attention -> wide.%s%s (%d head groups of %d columns), K/V dense%s",
+                     a.layer, a.ops["o"], f" + wide.{a.ops['q']}" if a.q_ok else "", a.groups, a.group_size,
+                     " (in q's launch)" if a.kv_fused else "")
 
 
 def _takes_bucket(ctx: PassContext, a: AttnMatch) -> bool:
@@ -115,14 +134,60 @@ def _free_mask_o(ctx: PassContext, a: AttnMatch, wo, bo, nq):
     return new
 
 
-def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq):
+def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq, kv=None):
+    """wide.q_proj on q's weight; or, given kv (K / V's linears) and a q path in QKV_PATHS, on [q; k; v] with
+    K / V's groups always on: q is then its first nq columns and each of kv is replaced by its own columns."""
     W = ctx.weights
     wq, bq = weight_rows(ctx, a.q_src)
     tuning, a.paths["q"] = ctx.op_tuning("q", a.x, W.tensor(wo).shape[0], nq, a.group_size)
-    new = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
-    new.meta["wide_path"] = a.paths["q"]
     a.ops["q"] = "q_proj"
-    return new
+    if not kv or a.paths["q"].T is None or a.paths["q"].path not in QKV_PATHS:
+        new = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
+        new.meta["wide_path"] = a.paths["q"]
+        return new
+    lins = (a.q_src[0], *kv)
+    ws = [W.tensor(linear_parts(n)[1]) for n in lins]
+    bs = [W.tensor(linear_parts(n)[2]) if linear_parts(n)[2] is not None else None for n in lins]
+    first = min(lins, key=node_index(ctx.gm).__getitem__)
+    # w_qkv: [Nq + Nk + Nv, D]
+    w = W.constant(("qkv", *map(id, ws)), f"L{a.layer}_w_qkv", lambda: torch.cat([t.detach() for t in ws]), first)
+    b = None
+    if any(t is not None for t in bs):
+        b = W.constant(("qkv_b", *map(id, ws)), f"L{a.layer}_b_qkv", lambda: torch.cat(
+            [t.detach() if t is not None else wt.new_zeros(wt.shape[0]) for t, wt in zip(bs, ws)]), first)
+    kv_groups = sum(t.shape[0] for t in ws[1:]) // a.group_size
+    mask = W.call(F.pad, (a.mask, (0, kv_groups)), {"value": True})  # [..., G + kv_groups]: K / V always on
+    qkv = W.call(wide_q_proj_nd, (a.x, w, b, mask, a.group_size, tuning))
+    qkv.meta["wide_path"] = a.paths["q"]
+    start = nq
+    for n, t in zip(kv, ws[1:]):
+        n.replace_all_uses_with(W.call(operator.getitem, (qkv, (Ellipsis, slice(start, start + t.shape[0])))))
+        start += t.shape[0]
+    a.kv_fused = True
+    ctx.count("rewrite_attention.qkv_fused")
+    return W.call(operator.getitem, (qkv, (Ellipsis, slice(0, nq))))
+
+
+def _kv_to_fuse(ctx: PassContext, a: AttnMatch, order) -> list | None:
+    """K / V's linears when they can join q's launch: separate linears on q's input (not a fused qkv linear's
+    column ranges) with model weights of q's dtype, each a whole number of groups wide, a static token count, and
+    the router's mask computed before all of them. None otherwise: K / V stay their own linears."""
+    W = ctx.weights
+    if a.q_src[1] is not None or not a.kv or static_rows(a.x) is None:
+        return None
+    wq = W.tensor(linear_parts(a.q_src[0])[1])
+    for n in a.kv:
+        if not is_linear(n) or linear_parts(n)[0] is not a.x:
+            return None
+        _, w, b = linear_parts(n)
+        t = W.tensor(w)
+        if not W.is_static_weight(w) or (b is not None and not W.is_static_weight(b)):
+            return None
+        if t is None or wq is None or t.dtype != wq.dtype or t.dim() != 2 or t.shape[0] % a.group_size:
+            return None
+    if a.mask.op != "get_attr" and order[a.mask] > min(order[n] for n in (a.q, *a.kv)):
+        return None
+    return list(a.kv)
 
 
 def _bucket_o(ctx: PassContext, a: AttnMatch, wo, bo):

@@ -1,0 +1,114 @@
+"""rewrite_attention's K / V fusion: where q's path at the graph's token count is the one-token GEMV or the
+dense-masked GEMM (QKV_PATHS), q, K and V run as one wide.q_proj over [q; k; v] with K / V's groups always on.
+The graph loses the K / V linears and its logits stay the eager reference's (fp32: 1e-5; float64: 1e-12); tile
+paths, fused qkv linears and fuse_qkv=False keep K / V as their own linears. The kernel itself (the one-token GEMV
+over the concatenated weight, K / V's groups on) is checked against a float64 oracle under the interpreter."""
+import pytest
+import torch
+from kernel_checks import DEV, needs_device
+
+import wide_compile as wc
+from wide_compile.kernels.compact_attn import q_proj_triton
+from wide_compile.models import ARCHS, tiny_model
+from wide_compile.passes import PassManager, op_counts
+
+from test_passes_models import capture, run_logits
+
+CFG = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random")
+
+
+def _run(arch="llama", batch=1, T=1, kernel_path="auto", dtype=torch.float32, fuse_qkv=True, seed=3):
+    model = tiny_model(arch, dtype=dtype)
+    wc.attach(model, wc.Routers.init(model, CFG, seed=seed).to(dtype))
+    ids = torch.randint(0, 128, (batch, T), generator=torch.Generator().manual_seed(seed))
+    (gm, ex), = capture(model, input_ids=ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    before = op_counts(gm).get("linear", 0)
+    ctx = PassManager(fuse_qkv=fuse_qkv).run(gm, ex, kernel_path=kernel_path, mask_stats=0.5)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=tol, rtol=tol)
+    return ctx, before - op_counts(gm).get("linear", 0), model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch,T,path", [(1, 1, "gemv"), (2, 3, "dense_masked")])
+def test_k_and_v_join_q_on_the_gemv_and_dense_masked_paths(arch, batch, T, path):
+    """Every architecture (qwen2: q / k / v biases; smollm2: 3 q heads per KV head, odd head count): K and V
+    leave the graph, q, o, gate, up, down become wide ops (7 linears fewer per layer)."""
+    ctx, removed, L = _run(arch, batch, T, kernel_path="auto" if path == "gemv" else "dense")
+    assert ctx.report.counts[f"cost_model.q.{path}"] == L
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == L and removed == 7 * L
+    assert all(a.kv_fused for a in ctx.attns)
+
+
+def test_float64_logits_are_the_eager_logits():
+    ctx, _, L = _run("qwen2", dtype=torch.float64)
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == L
+
+
+def test_tile_paths_and_the_option_keep_k_and_v_linears():
+    ctx, removed, L = _run("smollm2", batch=2, T=3, kernel_path="compact")  # q on the tile gather
+    assert ctx.report.counts["cost_model.q.gather"] == L
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == 0 and removed == 5 * L
+    ctx, removed, L = _run(fuse_qkv=False)
+    assert ctx.report.counts["cost_model.q.gemv"] == L
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == 0 and removed == 5 * L
+
+
+def test_constant_masks_fuse_too():
+    """A constant router's mask is a graph constant: padded like any other."""
+    model = tiny_model("llama")
+    spec = wc.models.model_spec(model)
+    ga, gf = CFG.num_head_groups(spec), CFG.num_ffn_groups(spec)
+    wc.attach(model, wc.Routers.constant(model, CFG, attn=[torch.arange(ga) % 2 == 1] * spec.num_layers,
+                                         ffn=[torch.arange(gf) % 3 == 0] * spec.num_layers))
+    ids = torch.randint(0, 128, (1, 1))
+    (gm, ex), = capture(model, input_ids=ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    ctx = PassManager().run(gm, ex, mask_stats=0.5)
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == spec.num_layers
+    torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_by_inductor_on_the_cpu():
+    """The padded mask and the column slices through Inductor (optimize, one-token decode graph)."""
+    torch._dynamo.reset()
+    model = tiny_model("smollm2")
+    routers = wc.Routers.init(model, CFG, seed=5)
+    ids = torch.randint(0, 128, (1, 1))
+    wc.attach(model, routers)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    wc.detach(model)
+    fast = wc.optimize(model, routers, dynamic=False, kernel_path="auto")
+    with torch.no_grad():
+        out = fast(input_ids=ids).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert sum(r.counts.get("rewrite_attention.qkv_fused", 0) for r in fast._wide_reports) == 2
+
+
+@needs_device
+@pytest.mark.parametrize("kind", ["random", "off", "on"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gemv_over_q_k_v_is_the_three_projections(kind, bias):
+    """q_proj's one-token GEMV on [q; k; v] (q: 5 groups of 16, k / v: 2 groups each), the mask padded with K / V's
+    groups on: q's inactive columns exactly 0, every other column within 1e-5 (relative L2) of float64."""
+    g = torch.Generator().manual_seed(1)
+    D, gs, Gq, Gkv = 40, 16, 5, 2
+    x = torch.randn(1, D, generator=g)
+    w = [torch.randn(n * gs, D, generator=g) / D ** 0.5 for n in (Gq, Gkv, Gkv)]
+    b = [torch.randn(n * gs, generator=g) if bias else None for n in (Gq, Gkv, Gkv)]
+    mask = {"random": torch.rand(1, Gq, generator=g) < 0.5, "off": torch.zeros(1, Gq, dtype=torch.bool),
+            "on": torch.ones(1, Gq, dtype=torch.bool)}[kind]
+    wqkv, bqkv = torch.cat(w), (torch.cat(b) if bias else None)
+    padded = torch.nn.functional.pad(mask, (0, 2 * Gkv), value=True)
+    out = q_proj_triton(x.to(DEV), wqkv.to(DEV), None if bqkv is None else bqkv.to(DEV), padded.to(DEV), gs,
+                        config={"one_token": "gemv"}).cpu()
+    col_on = padded[0].repeat_interleave(gs)
+    expect = torch.nn.functional.linear(x.double(), wqkv.double(), None if bqkv is None else bqkv.double())
+    expect = expect * col_on
+    assert torch.equal(out[0, ~col_on], torch.zeros(int((~col_on).sum())))
+    err = (out.double() - expect).norm() / expect.norm()
+    assert err <= 1e-5, err
