@@ -90,25 +90,36 @@ def test_compiled_by_inductor_on_the_cpu():
 
 
 @needs_device
-@pytest.mark.parametrize("kind", ["random", "off", "on"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_gemv_over_q_k_v_is_the_three_projections(kind, bias):
-    """q_proj's one-token GEMV on [q; k; v] (q: 5 groups of 16, k / v: 2 groups each), the mask padded with K / V's
-    groups on: q's inactive columns exactly 0, every other column within 1e-5 (relative L2) of float64."""
+@pytest.mark.parametrize("kind", ["random", "off", "on", "one"])
+@pytest.mark.parametrize("path", ["gemv", "dense", "decode", "sorted"])
+def test_q_proj_runs_the_groups_past_its_mask_always_on(kind, path):
+    """wide.q_proj's kernels on [q; k; v] (q: 5 groups of 16, k / v: 2 groups each) with a mask of q's 5 groups:
+    the one-token GEMV, the dense-masked GEMM and both tile paths. q's inactive columns exactly 0, K / V's columns
+    computed; within 1e-5 (relative L2) of float64, and each case equal to the same call with the mask padded."""
     g = torch.Generator().manual_seed(1)
     D, gs, Gq, Gkv = 40, 16, 5, 2
-    x = torch.randn(1, D, generator=g)
+    T = 1 if path == "gemv" else 3
+    bias = kind in ("random", "one")
+    x = torch.randn(T, D, generator=g)
     w = [torch.randn(n * gs, D, generator=g) / D ** 0.5 for n in (Gq, Gkv, Gkv)]
-    b = [torch.randn(n * gs, generator=g) if bias else None for n in (Gq, Gkv, Gkv)]
-    mask = {"random": torch.rand(1, Gq, generator=g) < 0.5, "off": torch.zeros(1, Gq, dtype=torch.bool),
-            "on": torch.ones(1, Gq, dtype=torch.bool)}[kind]
-    wqkv, bqkv = torch.cat(w), (torch.cat(b) if bias else None)
+    wqkv = torch.cat(w)
+    bqkv = torch.randn(wqkv.shape[0], generator=g) if bias else None
+    mask = {"random": torch.rand(T, Gq, generator=g) < 0.5, "off": torch.zeros(T, Gq, dtype=torch.bool),
+            "on": torch.ones(T, Gq, dtype=torch.bool), "one": torch.arange(Gq).expand(T, Gq) == Gq - 1}[kind]
+    cfg = {"one_token": "gemv"} if path == "gemv" else {"path": path}
+    dev = [t.to(DEV) if t is not None else None for t in (x, wqkv, bqkv)]
+    out = q_proj_triton(*dev, mask.to(DEV), gs, config=cfg).cpu()
     padded = torch.nn.functional.pad(mask, (0, 2 * Gkv), value=True)
-    out = q_proj_triton(x.to(DEV), wqkv.to(DEV), None if bqkv is None else bqkv.to(DEV), padded.to(DEV), gs,
-                        config={"one_token": "gemv"}).cpu()
-    col_on = padded[0].repeat_interleave(gs)
-    expect = torch.nn.functional.linear(x.double(), wqkv.double(), None if bqkv is None else bqkv.double())
-    expect = expect * col_on
-    assert torch.equal(out[0, ~col_on], torch.zeros(int((~col_on).sum())))
+    assert torch.equal(out, q_proj_triton(*dev, padded.to(DEV), gs, config=cfg).cpu())
+    col_on = padded.repeat_interleave(gs, dim=1)
+    expect = torch.nn.functional.linear(x.double(), wqkv.double(), None if bqkv is None else bqkv.double()) * col_on
+    assert torch.equal(out[~col_on], torch.zeros(int((~col_on).sum())))
     err = (out.double() - expect).norm() / expect.norm()
     assert err <= 1e-5, err
+
+
+def test_a_mask_wider_than_the_projection_is_refused():
+    from wide_compile.kernels import wide_q_proj
+
+    with pytest.raises(ValueError, match="at most Nq // group_size"):
+        wide_q_proj(torch.randn(1, 8), torch.randn(32, 8), None, torch.ones(1, 3, dtype=torch.bool), 16)

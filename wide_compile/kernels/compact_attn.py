@@ -21,7 +21,8 @@ from .reorder import _mask_bytes
 
 def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int, *,
                   config: Optional[dict] = None, tuning=None, wrap: bool = False):
-    """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G] -> [T, Nq] (inactive columns = 0)."""
+    """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G'] -> [T, Nq] (inactive columns = 0): the mask covers
+    the first G' <= G = Nq // group_size groups, the groups after them are always on."""
     T, D = x.shape
     Nq = w_q.shape[0]
     G = Nq // group_size
@@ -32,6 +33,8 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int, *,
         return q_proj_gemv_triton(x, w_q, b_q, mask, None, group_size, cfg, wrap)
     if cfg["path"] == "dense":  # small batches (the tuning table's dense rows): nothing left to skip
         return q_proj_dense_masked(x, w_q, b_q, mask, group_size)
+    if mask.shape[1] < G:  # the tile kernels read G groups per token
+        mask = torch.nn.functional.pad(mask.to(torch.bool), (0, G - mask.shape[1]), value=True)
     mask8 = _mask_bytes(mask)
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
     ngather(x, w_q, None, b_q, out, mask8, G, group_size, cfg, gated=False,

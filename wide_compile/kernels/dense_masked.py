@@ -94,8 +94,12 @@ def mlp_dense_masked(x, w_gate, w_up, w_down_t, mask, group_size: int, act: str 
 
 
 def q_proj_dense_masked(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:
-    """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G] -> [T, Nq], inactive columns exactly 0."""
+    """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G'] (G' <= G = Nq // group_size; groups past G' always
+    on) -> [T, Nq], inactive columns exactly 0."""
     q = torch.mm(x, w_q.t()) if b_q is None else torch.addmm(b_q, x, w_q.t())
+    G = w_q.shape[0] // group_size
+    if mask.shape[1] < G:  # groups past the mask are always on (K / V rows): padded here, inlined by Inductor
+        mask = torch.nn.functional.pad(mask.to(torch.bool), (0, G - mask.shape[1]), value=True)
     return _select(q, mask, group_size)
 
 

@@ -236,9 +236,10 @@ def _gemv_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, glist_ptr, mask_ptr, b
         j = c // GS
         g = _nth_active(act, excl, j, GP2)                               # [BN] the j-th active group
         rows = (g * GS + c % GS).to(tl.int64)
-    else:
+    else:  # the mask row covers groups [0, G); the groups after them are always on (K / V rows in q's launch)
         cvalid = c < N
-        on = cvalid & (tl.load(row + c // GS, mask=cvalid, other=0) != 0)
+        grp = c // GS
+        on = cvalid & ((grp >= G) | (tl.load(row + grp, mask=cvalid & (grp < G), other=0) != 0))
         if tl.max(on.to(tl.int32), axis=0) == 0:  # only inactive groups' columns: zeros, no weights read
             tl.store(out_ptr + c, (tl.zeros([BN], dtype=tl.float32) + fill).to(out_ptr.dtype.element_ty),
                      mask=cvalid)
@@ -388,12 +389,13 @@ def _gate_up(x, w_gate, w_up, h, glist, mask8, bk, P, use_bucket, G, group_size,
 def q_proj_gemv_triton(x, w_q, b_q, mask8, bucket: Optional[torch.Tensor], group_size: int,
                        config: Optional[dict] = None, wrap: bool = False) -> torch.Tensor:
     """x [1, D], w_q [Nq, D], b_q [Nq] or None, mask8 / bucket as in mlp_gemv_triton -> [1, Nq]: x W_q^T + b on
-    the token's groups (rounded once), exactly 0 on the others. One launch."""
+    the token's groups (rounded once), exactly 0 on the others. The mask's G groups are the first G of Nq //
+    group_size; the groups after them are always on. One launch."""
     _, D = x.shape
     Nq = w_q.shape[0]
-    G = Nq // group_size
     cfg = config_for("k_contiguous", config, "q_proj", x.device)
     mask8, bk, P, use_bucket = _row_args(mask8, bucket)
+    G = mask8.shape[1]
     out = alloc((1, Nq), x.dtype, x.device)
     _launcher(_gemv_n_kernel, wrap)[(triton.cdiv(Nq, cfg["gu_bn"]),)](
         x, w_q, w_q, b_q if b_q is not None else w_q, out, mask8, mask8, bk, P, D, Nq, x.stride(1), w_q.stride(0),

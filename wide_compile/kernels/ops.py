@@ -85,11 +85,15 @@ def wide_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, mask: Te
 
 def wide_q_proj(x: Tensor, w_q: Tensor, b_q: Optional[Tensor], mask: Tensor, group_size: int,
                 tuning=None) -> Tensor:
-    """x [..., D]; w_q [Nq, D]; b_q [Nq] or None; mask [..., G], G = Nq // group_size -> [..., Nq],
-    inactive groups' columns exactly 0."""
+    """x [..., D]; w_q [Nq, D]; b_q [Nq] or None; mask [..., G], G <= Nq // group_size -> [..., Nq], inactive
+    groups' columns exactly 0. The mask covers the first G groups; any after them are always on (K / V rows run in
+    q's launch: passes/rewrite_attention.py)."""
     D = x.shape[-1]
     Nq = w_q.shape[0]
-    G = Nq // group_size
+    G = mask.shape[-1]
+    if Nq % group_size or G * group_size > Nq:
+        raise ValueError(f"wide_q_proj: {Nq} output columns are not a whole number of groups of {group_size} "
+                         f"covering the mask's {G} groups; pass a mask of at most Nq // group_size groups")
     out = torch.ops.wide.q_proj(_flat(x, D), w_q, b_q, _flat(mask, G).to(torch.bool), int(group_size),
                                 as_arg(tuning))
     return out.reshape(*x.shape[:-1], Nq)

@@ -60,7 +60,15 @@ def q_proj_ref(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int) -> to
     if b_q is not None:
         q = q + b_q.to(acc)
     q = q.to(x.dtype)
-    return torch.where(expand_mask(mask, group_size), q, torch.zeros((), dtype=q.dtype, device=q.device))
+    return torch.where(q_column_mask(mask, group_size, q.shape[-1]), q, torch.zeros((), dtype=q.dtype,
+                                                                                    device=q.device))
+
+
+def q_column_mask(mask, group_size: int, n: int) -> torch.Tensor:
+    """wide.q_proj's mask [T, G] -> its columns' [T, n] bool: the first G groups' columns as the mask says, every
+    column after them on (K / V rows in q's launch)."""
+    cols = expand_mask(mask.to(torch.bool), group_size)
+    return torch.nn.functional.pad(cols, (0, n - cols.shape[-1]), value=True) if cols.shape[-1] < n else cols
 
 
 def o_proj_ref(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ free-mask ops on protos[bucket], and the report says why.
 Where q's path at the graph's token count is a one-token GEMV or the dense-masked GEMM (decode sizes, and prefill
 where the masks leave no tile unused) and K / V are separate linears on q's input, q, K and V run as one
 wide.q_proj over a compile-time concatenation of their weights [q; k; v], with K / V as groups that are always on
-(the router's mask padded with ones): the step reads the same bytes in one launch instead of three, and the
+(wide.q_proj's mask covers q's groups; the groups past it run always on): the step reads the same bytes in one launch instead of three, and the
 reports count it (rewrite_attention.qkv_fused). The concatenated weight is a second copy of the three weights,
 made once at compile time. fuse_qkv=False (optimize / the backend) keeps K / V as their own linears."""
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from ._graph import _rows_of_slice, erase_unused, is_linear, last_dim, linear_parts, node_index, static_rows
@@ -155,9 +154,8 @@ def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq, kv=None):
     if any(t is not None for t in bs):
         b = W.constant(("qkv_b", *map(id, ws)), f"L{a.layer}_b_qkv", lambda: torch.cat(
             [t.detach() if t is not None else wt.new_zeros(wt.shape[0]) for t, wt in zip(bs, ws)]), first)
-    kv_groups = sum(t.shape[0] for t in ws[1:]) // a.group_size
-    mask = W.call(F.pad, (a.mask, (0, kv_groups)), {"value": True})  # [..., G + kv_groups]: K / V always on
-    qkv = W.call(wide_q_proj_nd, (a.x, w, b, mask, a.group_size, tuning))
+    # the mask covers q's groups; wide.q_proj runs the groups past it (K / V's) always on
+    qkv = W.call(wide_q_proj_nd, (a.x, w, b, a.mask, a.group_size, tuning))
     qkv.meta["wide_path"] = a.paths["q"]
     start = nq
     for n, t in zip(kv, ws[1:]):
