@@ -39,7 +39,8 @@ def test_k_and_v_join_q_on_the_gemv_and_dense_masked_paths(arch, batch, T, path)
     ctx, removed, L = _run(arch, batch, T, kernel_path="auto" if path == "gemv" else "dense")
     assert ctx.report.counts[f"cost_model.q.{path}"] == L
     assert ctx.report.counts["rewrite_attention.qkv_fused"] == L and removed == 7 * L
-    assert all(a.kv_fused for a in ctx.attns)
+    assert all(a.kv_fused for a in ctx.attns) and all(d["kv_fused"] for d in ctx.report.attn)
+    assert all("K/V dense (in q's launch)" in d["detail"] for d in ctx.report.attn)
 
 
 def test_float64_logits_are_the_eager_logits():

@@ -160,7 +160,8 @@ def _summarise(ctx: PassContext) -> None:
     for a in ctx.attns:
         detail = ""
         if a.groups:
-            detail = f"G={a.groups} x {a.group_size} q columns, {a.form} input, K/V dense"
+            detail = (f"G={a.groups} x {a.group_size} q columns, {a.form} input, K/V dense"
+                      + (" (in q's launch)" if a.kv_fused else ""))
         if not a.q_ok:
             detail += f"; q dense ({a.q_reason})"
         elif a.q_reason:
@@ -176,6 +177,7 @@ def _summarise(ctx: PassContext) -> None:
                        "paths": {k: d.path for k, d in a.paths.items()}, "ops": dict(a.ops),
                        "bucket_reason": a.bucket_reason,
                        "group_size": a.group_size, "detail": detail, "q_rewritten": a.status == "rewritten" and a.q_ok,
+                       "kv_fused": a.kv_fused,
                        "nodes": {"q": a.q.name, "o": a.o.name, "kv": [n.name for n in a.kv]}})
     decisions = [d for b in (*ctx.mlps, *ctx.attns) for d in b.paths.values()]
     r.dense_everywhere = bool(decisions) and all(
