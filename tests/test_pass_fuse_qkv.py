@@ -124,3 +124,51 @@ def test_a_mask_wider_than_the_projection_is_refused():
 
     with pytest.raises(ValueError, match="at most Nq // group_size"):
         wide_q_proj(torch.randn(1, 8), torch.randn(32, 8), None, torch.ones(1, 3, dtype=torch.bool), 16)
+
+
+@pytest.mark.parametrize("arch,structure", [("smollm2", "codebook"), ("qwen2", "nested")])
+@pytest.mark.parametrize("T", [1, 2])
+def test_structured_routers_fuse_k_and_v_at_one_token(arch, structure, T):
+    """A codebook / nested router's q runs wide.q_proj_bucket; at one token (its one-token GEMV) K / V join it,
+    at two tokens they stay linears. Logits equal the eager reference either way (fp32: 1e-5)."""
+    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", structure=structure,
+                        codebook_size=5, nested_levels=3)
+    model, ref = tiny_model(arch, seed=5), tiny_model(arch, seed=5)
+    routers = wc.Routers.init(model, cfg, seed=6)
+    wc.attach(ref, routers)
+    fast = wc.optimize(model, routers, dynamic=False, inductor=False)
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(T))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    ex = wc.explain(fast)
+    L = routers.spec.num_layers
+    assert ex.counts["rewrite_attention.q_bucket"] == L
+    assert ex.counts.get("rewrite_attention.qkv_fused", 0) == (L if T == 1 else 0)
+
+
+@needs_device
+@pytest.mark.parametrize("path", ["gemv", "dense", "union", "lists"])
+def test_q_proj_bucket_runs_the_groups_past_its_table_always_on(path):
+    """wide.q_proj_bucket's paths (one-token GEMV, few tokens dense or as a union block, bucket lists) on
+    [q; k; v] with a prototype table of q's 5 groups (P = 3, one prototype all off): equal to the same call with the table padded with K / V's groups on, and to float64 within 1e-5."""
+    from wide_compile.kernels.bucket_attn import q_proj_bucket_triton
+
+    g = torch.Generator().manual_seed(2)
+    D, gs, Gq, Gkv = 40, 16, 5, 2
+    T = {"gemv": 1, "dense": 4, "union": 4, "lists": 20}[path]
+    x = torch.randn(T, D, generator=g)
+    wqkv = torch.randn((Gq + 2 * Gkv) * gs, D, generator=g) / D ** 0.5
+    b = torch.randn(wqkv.shape[0], generator=g)
+    protos = torch.stack([torch.rand(Gq, generator=g) < 0.5, torch.zeros(Gq, dtype=torch.bool),
+                          torch.ones(Gq, dtype=torch.bool)])
+    bucket = torch.randint(0, 3, (T,), generator=g)
+    cfg = {"gemv": {"one_token": "gemv"}, "dense": {"few_tokens": "dense"}, "union": {"few_tokens": "union"},
+           "lists": {}}[path]
+    args = [t.to(DEV) for t in (x, wqkv, b, bucket)]
+    out = q_proj_bucket_triton(*args[:3], args[3], protos.to(DEV), gs, config=cfg).cpu()
+    padded = torch.nn.functional.pad(protos, (0, 2 * Gkv), value=True)
+    assert torch.equal(out, q_proj_bucket_triton(*args[:3], args[3], padded.to(DEV), gs, config=cfg).cpu())
+    col_on = padded[bucket].repeat_interleave(gs, dim=1)
+    expect = torch.nn.functional.linear(x.double(), wqkv.double(), b.double()) * col_on
+    assert torch.equal(out[~col_on], torch.zeros(int((~col_on).sum())))
+    assert (out.double() - expect).norm() / expect.norm() <= 1e-5

@@ -33,7 +33,8 @@ from .reorder import alloc
 
 def check_proj_inputs(inp, w, bias, bucket, protos, group_size: int, name: str, grouped_in: bool) -> tuple:
     """inp [T, K], w [N, K], bias [N] or None; the groups split w's rows (q_proj) or its columns (grouped_in,
-    o_proj). Returns (T, K, N, G, P)."""
+    o_proj). q_proj's prototypes may cover only its first groups (the groups after them always on: K / V rows in
+    q's launch). Returns (T, K, N, G, P), G the prototypes' groups."""
     if inp.dim() != 2 or w.dim() != 2 or inp.shape[1] != w.shape[1]:
         raise ValueError(f"{name}: the input must be [T, K] and the weight [N, K] (the Linear's weight), got "
                          f"{tuple(inp.shape)} and {tuple(w.shape)}")
@@ -44,13 +45,17 @@ def check_proj_inputs(inp, w, bias, bucket, protos, group_size: int, name: str, 
         raise ValueError(f"{name}: group_size {group_size} must divide the grouped size {split}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{name}: bias must be [{N}] or None, got {tuple(bias.shape)}")
-    P = check_bucket(bucket, protos, T, split // group_size, name, f"G = {split // group_size} head groups")
+    G = split // group_size
+    if not grouped_in and protos.dim() == 2 and 0 < protos.shape[1] < G:
+        G = protos.shape[1]
+    P = check_bucket(bucket, protos, T, G, name, f"G = {split // group_size} head groups"
+                     + ("" if grouped_in else " (q_proj: at most)"))
     tensors = [inp, w, bucket, protos] + ([bias] if bias is not None else [])
     if len({t.device for t in tensors}) > 1:
         raise ValueError(f"{name}: every tensor must be on one device")
     if len({t.dtype for t in (inp, w) + ((bias,) if bias is not None else ())}) > 1:
         raise ValueError(f"{name}: the input, weight and bias must share one dtype")
-    return T, K, N, split // group_size, P
+    return T, K, N, G, P
 
 
 def q_proj_bucket_ref(x, w_q, b_q: Optional[torch.Tensor], bucket, protos, group_size: int) -> torch.Tensor:
@@ -76,12 +81,15 @@ def _float_dtype(t, name):
 
 def q_proj_bucket_triton(x, w_q, b_q, bucket, protos, group_size: int, *, config: Optional[dict] = None,
                          wrap: bool = False) -> torch.Tensor:
-    """x [T, D], w_q [Nq, D], b_q [Nq] or None, bucket [T], protos [P, Nq // group_size] -> [T, Nq]."""
+    """x [T, D], w_q [Nq, D], b_q [Nq] or None, bucket [T], protos [P, G], G <= Nq // group_size (the groups
+    after the table's always on) -> [T, Nq]."""
     T, D, Nq, G, P = check_proj_inputs(x, w_q, b_q, bucket, protos, group_size, "q_proj_bucket", grouped_in=False)
     _float_dtype(x, "q_proj_bucket_triton")
     cfg = config_for(T, group_size, x.dtype, x.device, config)
-    if T == 1 and cfg["one_token"] == "gemv":
+    if T == 1 and cfg["one_token"] == "gemv":  # reads the table's G groups, runs the groups after them
         return q_proj_gemv_triton(x, w_q, b_q, protos, bucket, group_size, cfg, wrap)
+    if G < Nq // group_size:  # the dense and tile paths read every group from the table: K / V's appended, on
+        protos = torch.nn.functional.pad(protos, (0, Nq // group_size - G), value=True)
     if uses_dense(T, cfg):
         mask, valid = mask_and_valid(bucket, protos)
         return nan_rows(q_proj_dense_masked(x, w_q, b_q, mask, group_size), valid)

@@ -9,11 +9,12 @@ wide.q_proj_bucket instead; where the bucket ops cannot take it (match_buckets.b
 free-mask ops on protos[bucket], and the report says why.
 
 Where q's path at the graph's token count is a one-token GEMV or the dense-masked GEMM (decode sizes, and prefill
-where the masks leave no tile unused) and K / V are separate linears on q's input, q, K and V run as one
-wide.q_proj over a compile-time concatenation of their weights [q; k; v], with K / V as groups that are always on
-(wide.q_proj's mask covers q's groups; the groups past it run always on): the step reads the same bytes in one launch instead of three, and the
-reports count it (rewrite_attention.qkv_fused). The concatenated weight is a second copy of the three weights,
-made once at compile time. fuse_qkv=False (optimize / the backend) keeps K / V as their own linears."""
+where the masks leave no tile unused; for a structured router, one token: the bucket op's GEMV) and K / V are
+separate linears on q's input, q, K and V run as one q op over a compile-time concatenation of their weights
+[q; k; v]: wide.q_proj's mask (wide.q_proj_bucket's prototypes) covers q's groups, and the groups past it, K / V's,
+run always on. The step reads the same bytes in one launch instead of three; the reports count it
+(rewrite_attention.qkv_fused). The concatenated weight is a second copy of the three weights, made once at compile
+time. fuse_qkv=False (optimize / the backend) keeps K / V as their own linears."""
 from __future__ import annotations
 
 import operator
@@ -97,9 +98,9 @@ class RewriteAttention(Pass):
             if a.q_ok and max(order.get(n, -1) for n in routing) > order.get(a.q, 0) and a.mask.op != "get_attr":
                 a.q_ok, a.q_reason = False, "router mask is computed after q"
             if a.q_ok:
-                kv = None if bucket or not self.fuse_qkv else _kv_to_fuse(ctx, a, order)
+                kv = _kv_to_fuse(ctx, a, order, bucket) if self.fuse_qkv else None
                 with ctx.gm.graph.inserting_before(min([a.q, *(kv or [])], key=order.__getitem__)):
-                    new_q = _bucket_q(ctx, a) if bucket else _free_mask_q(ctx, a, wo, nq, kv)
+                    new_q = _bucket_q(ctx, a, nq, kv) if bucket else _free_mask_q(ctx, a, wo, nq, kv)
                 a.q.replace_all_uses_with(new_q)
                 erase_unused(ctx.gm, [a.q, *(kv if a.kv_fused else [])])
                 if q_rows is not None and not _split_fused_kv(ctx, a):
@@ -144,6 +145,14 @@ def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq, kv=None):
         new = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
         new.meta["wide_path"] = a.paths["q"]
         return new
+    # the mask covers q's groups; wide.q_proj runs the groups past it (K / V's) always on
+    return _qkv(ctx, a, kv, nq, lambda w, b: W.call(wide_q_proj_nd, (a.x, w, b, a.mask, a.group_size, tuning)))
+
+
+def _qkv(ctx: PassContext, a: AttnMatch, kv: list, nq: int, call) -> fx.Node:
+    """q's node after `call(w_qkv, b_qkv)` (the q op over [q; k; v], K / V's groups always on): each of kv is
+    replaced by its columns of the result, q is its first nq columns."""
+    W = ctx.weights
     lins = (a.q_src[0], *kv)
     ws = [W.tensor(linear_parts(n)[1]) for n in lins]
     bs = [W.tensor(linear_parts(n)[2]) if linear_parts(n)[2] is not None else None for n in lins]
@@ -154,8 +163,7 @@ def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq, kv=None):
     if any(t is not None for t in bs):
         b = W.constant(("qkv_b", *map(id, ws)), f"L{a.layer}_b_qkv", lambda: torch.cat(
             [t.detach() if t is not None else wt.new_zeros(wt.shape[0]) for t, wt in zip(bs, ws)]), first)
-    # the mask covers q's groups; wide.q_proj runs the groups past it (K / V's) always on
-    qkv = W.call(wide_q_proj_nd, (a.x, w, b, a.mask, a.group_size, tuning))
+    qkv = call(w, b)
     qkv.meta["wide_path"] = a.paths["q"]
     start = nq
     for n, t in zip(kv, ws[1:]):
@@ -166,12 +174,14 @@ def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq, kv=None):
     return W.call(operator.getitem, (qkv, (Ellipsis, slice(0, nq))))
 
 
-def _kv_to_fuse(ctx: PassContext, a: AttnMatch, order) -> list | None:
+def _kv_to_fuse(ctx: PassContext, a: AttnMatch, order, bucket: bool) -> list | None:
     """K / V's linears when they can join q's launch: separate linears on q's input (not a fused qkv linear's
-    column ranges) with model weights of q's dtype, each a whole number of groups wide, a static token count, and
-    the router's mask computed before all of them. None otherwise: K / V stay their own linears."""
+    column ranges) with model weights of q's dtype, each a whole number of groups wide, a static token count (one
+    token for a structured router: the bucket op's one-token GEMV), and the routing computed before all of them.
+    None otherwise: K / V stay their own linears."""
     W = ctx.weights
-    if a.q_src[1] is not None or not a.kv or static_rows(a.x) is None:
+    T = static_rows(a.x)
+    if a.q_src[1] is not None or not a.kv or T is None or (bucket and T != 1):
         return None
     wq = W.tensor(linear_parts(a.q_src[0])[1])
     for n in a.kv:
@@ -183,7 +193,9 @@ def _kv_to_fuse(ctx: PassContext, a: AttnMatch, order) -> list | None:
             return None
         if t is None or wq is None or t.dtype != wq.dtype or t.dim() != 2 or t.shape[0] % a.group_size:
             return None
-    if a.mask.op != "get_attr" and order[a.mask] > min(order[n] for n in (a.q, *a.kv)):
+    routing = [a.bucket, a.protos] if bucket else [a.mask]
+    first = min(order[n] for n in (a.q, *a.kv))
+    if any(n.op != "get_attr" and order.get(n, first) >= first for n in routing):
         return None
     return list(a.kv)
 
@@ -196,10 +208,16 @@ def _bucket_o(ctx: PassContext, a: AttnMatch, wo, bo):
     return new
 
 
-def _bucket_q(ctx: PassContext, a: AttnMatch):
-    wq, bq = weight_rows(ctx, a.q_src)
-    new = ctx.weights.call(wide_q_proj_bucket_nd, (a.x, wq, bq, a.bucket, a.protos, a.group_size))
-    a.paths["q"] = new.meta["wide_path"] = bucket_decision("q", a.x)
+def _bucket_q(ctx: PassContext, a: AttnMatch, nq: int, kv=None):
+    """wide.q_proj_bucket on q's weight, or (kv: one token) on [q; k; v] with K / V's groups always on."""
+    a.paths["q"] = bucket_decision("q", a.x)
     a.ops["q"] = "q_proj_bucket"
     ctx.count("rewrite_attention.q_bucket")
+
+    def call(w, b):
+        return ctx.weights.call(wide_q_proj_bucket_nd, (a.x, w, b, a.bucket, a.protos, a.group_size))
+    if kv:
+        return _qkv(ctx, a, kv, nq, call)
+    new = call(*weight_rows(ctx, a.q_src))
+    new.meta["wide_path"] = a.paths["q"]
     return new
