@@ -45,8 +45,8 @@
 #   train                  needs setup (+ .data/tok/train_tokens_6m.npz carried): scripts/gpu_smollm2.sh, the
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
-#   lean                   issue 23's lean routed step in one call: the fused norm + router kernel's and the cost
-#                          model's kernel tests compiled on CUDA (the pytest wheels in .whl/), then bench_e2e on
+#   lean                   issue 23's lean routed step in one call: the fused norm + router kernel's, the cost
+#                          model's and the K / V fusion's kernel tests compiled on CUDA (the pytest wheels in .whl/), then bench_e2e on
 #                          the goal rows with WIDE three ways in the same interleaved rows: the cost model's paths
 #                          (wide; its choice per row in the path column), the tuning table's (wide_table), and the
 #                          cost model plus the fused norm + router (wide_fused): 8B shape (LEAN_LAYERS, default
@@ -450,7 +450,7 @@ step() {
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
   lean)
     [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kernel_norm_router.py tests/test_cost_model.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
+      tests/test_kernel_norm_router.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
     [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
       --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch ${LEAN_8B_BATCH:-1 8} --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
