@@ -88,8 +88,7 @@ def q_proj_bucket_triton(x, w_q, b_q, bucket, protos, group_size: int, *, config
     cfg = config_for(T, group_size, x.dtype, x.device, config)
     if T == 1 and cfg["one_token"] == "gemv":  # reads the table's G groups, runs the groups after them
         return q_proj_gemv_triton(x, w_q, b_q, protos, bucket, group_size, cfg, wrap)
-    if G < Nq // group_size:  # the dense and tile paths read every group from the table: K / V's appended, on
-        protos = torch.nn.functional.pad(protos, (0, Nq // group_size - G), value=True)
+    protos = _ref.groups_past_on(protos, Nq // group_size)  # the dense and tile paths read every group
     if uses_dense(T, cfg):
         mask, valid = mask_and_valid(bucket, protos)
         return nan_rows(q_proj_dense_masked(x, w_q, b_q, mask, group_size), valid)

@@ -16,6 +16,7 @@ import torch
 from .compact_mlp import kernel_config, ngather, kskip
 from .dense_masked import o_proj_dense_masked, q_proj_dense_masked
 from .gemv import o_proj_gemv_triton, q_proj_gemv_triton
+from .reference import groups_past_on
 from .reorder import _mask_bytes
 
 
@@ -33,9 +34,7 @@ def q_proj_triton(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int, *,
         return q_proj_gemv_triton(x, w_q, b_q, mask, None, group_size, cfg, wrap)
     if cfg["path"] == "dense":  # small batches (the tuning table's dense rows): nothing left to skip
         return q_proj_dense_masked(x, w_q, b_q, mask, group_size)
-    if mask.shape[1] < G:  # the tile kernels read G groups per token
-        mask = torch.nn.functional.pad(mask.to(torch.bool), (0, G - mask.shape[1]), value=True)
-    mask8 = _mask_bytes(mask)
+    mask8 = _mask_bytes(groups_past_on(mask, G))  # the tile kernels read G groups per token
     out = torch.zeros((T, Nq), dtype=x.dtype, device=x.device)
     ngather(x, w_q, None, b_q, out, mask8, G, group_size, cfg, gated=False,
             zero_inactive=False, wrap=wrap)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .activations import ACT_IDS, gated_act
-from .reference import activation
+from .reference import activation, groups_past_on
 from .reorder import _mask_bytes, _launcher, alloc
 from .tuning import interpreting
 
@@ -97,10 +97,8 @@ def q_proj_dense_masked(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: i
     """x [T, D], w_q [Nq, D], b_q [Nq] or None, mask [T, G'] (G' <= G = Nq // group_size; groups past G' always
     on) -> [T, Nq], inactive columns exactly 0."""
     q = torch.mm(x, w_q.t()) if b_q is None else torch.addmm(b_q, x, w_q.t())
-    G = w_q.shape[0] // group_size
-    if mask.shape[1] < G:  # groups past the mask are always on (K / V rows): padded here, inlined by Inductor
-        mask = torch.nn.functional.pad(mask.to(torch.bool), (0, G - mask.shape[1]), value=True)
-    return _select(q, mask, group_size)
+    # groups past the mask are always on (K / V rows): padded here, inlined by Inductor into the select
+    return _select(q, groups_past_on(mask, w_q.shape[0] // group_size), group_size)
 
 
 def o_proj_dense_masked(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:

@@ -67,8 +67,15 @@ def q_proj_ref(x, w_q, b_q: Optional[torch.Tensor], mask, group_size: int) -> to
 def q_column_mask(mask, group_size: int, n: int) -> torch.Tensor:
     """wide.q_proj's mask [T, G] -> its columns' [T, n] bool: the first G groups' columns as the mask says, every
     column after them on (K / V rows in q's launch)."""
-    cols = expand_mask(mask.to(torch.bool), group_size)
-    return torch.nn.functional.pad(cols, (0, n - cols.shape[-1]), value=True) if cols.shape[-1] < n else cols
+    return expand_mask(groups_past_on(mask, n // group_size).to(torch.bool), group_size)
+
+
+def groups_past_on(mask, groups: int) -> torch.Tensor:
+    """A q mask (or prototype table) [..., G'] of the first G' <= groups groups -> [..., groups], the groups
+    past G' on: wide.q_proj's contract for K / V rows run in q's launch, for the paths that read every group."""
+    if mask.shape[-1] >= groups:  # as given (bool or uint8): nothing to pad, no cast
+        return mask
+    return torch.nn.functional.pad(mask.to(torch.bool), (0, groups - mask.shape[-1]), value=True)
 
 
 def o_proj_ref(a, w_o_t, b_o: Optional[torch.Tensor], mask, group_size: int) -> torch.Tensor:
