@@ -17,6 +17,8 @@ VariantSpec), so adding a variant is one function and one entry.
                 launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
   wide_summed   wide with the decode-size routers as Inductor reductions (sum_routers=True)
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
+  wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
+                (sparse_attention=True, also 1-head groups), beside wide's --sparse-attention setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -214,6 +216,10 @@ def build_wide_qkv_split(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, fuse_qkv=False)
 
 
+def build_wide_sparse_attn(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, sparse_attention=True)
+
+
 def build_wide_fused_dense(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, fuse_norm_router=True, kernel_path="dense")
 
@@ -232,10 +238,11 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("wide_fused_dense", "wide_fused_dense", "routers", build_wide_fused_dense, why_not=_wide_why_not),
     VariantSpec("wide_summed", "wide_summed", "routers", build_wide_summed, why_not=_wide_why_not),
     VariantSpec("wide_qkv_split", "wide_qkv_split", "routers", build_wide_qkv_split, why_not=_wide_why_not),
+    VariantSpec("wide_sparse_attn", "wide_sparse_attn", "routers", build_wide_sparse_attn, why_not=_wide_why_not),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
 # timed only when --variants names them (each is one more WIDE compile per row)
-OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed", "wide_qkv_split")
+OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed", "wide_qkv_split", "wide_sparse_attn")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")
