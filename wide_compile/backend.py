@@ -24,7 +24,8 @@ Options (keyword arguments, or torch.compile(..., options={...})):
     fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
                    run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
     sum_routers    True: in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as one
-                   Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); default False
+                   Inductor reduction instead of an fp32 GEMM, in larger graphs each unfused pair router as one
+                   GEMM over its composed linear map (passes/sum_routers.py); default False
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears

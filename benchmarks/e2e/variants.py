@@ -15,7 +15,8 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
   wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
                 launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
-  wide_summed   wide with the decode-size routers as Inductor reductions (sum_routers=True)
+  wide_summed   wide with the decode-size routers as Inductor reductions and larger graphs' pair routers as one
+                composed GEMM (sum_routers=True)
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also 1-head groups), beside wide's --sparse-attention setting

@@ -42,7 +42,8 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     block's RMSNorm and router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
     (benchmarks/results/lean-h100/README.md). It runs after the rewrites: the earlier passes hold the mask nodes it
     replaces. `sum_routers` adds sum_routers (opt-in until timed): the routers left unfused in graphs of decode size
-    as one Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default)
+    as one Inductor reduction each, pair routers in larger graphs as one composed GEMM, after fuse_norm_router so
+    that the fused ones stay fused. `fuse_qkv` (default)
     lets K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS)."""
     check_sparse_attention(sparse_attention)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
