@@ -69,9 +69,9 @@ TILE = 16
 RHO_GRID = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 
 
-def make_cfg(capacity: float, ffn_group_size: int, head_group_size: int) -> WideConfig:
+def make_cfg(capacity: float, ffn_group_size: int, head_group_size: int, router_recipe: str = "linear") -> WideConfig:
     return WideConfig(ffn_group_size=ffn_group_size, head_group_size=head_group_size,
-                      capacity=min(max(capacity, 1e-3), 1.0), router_init="random")
+                      capacity=min(max(capacity, 1e-3), 1.0), router_init="random", router_recipe=router_recipe)
 
 
 def _routers_to(r: Routers, model) -> Routers:

@@ -26,7 +26,8 @@ def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, 
             "router_dtype": options.router_dtype, "kernel_config": options.kernel_config,
             "attention": options.attention, "sparse_attention": options.sparse_attention,
             "kernel_path": options.kernel_path, "fuse_norm_router": options.fuse_norm_router,
-            "sum_routers": options.sum_routers, "fuse_qkv": options.fuse_qkv}
+            "sum_routers": options.sum_routers, "fuse_qkv": options.fuse_qkv,
+            "router_recipe": options.router_recipe(model) if masks != "trained" else "trained"}
 
 
 @dataclasses.dataclass

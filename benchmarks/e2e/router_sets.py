@@ -14,8 +14,9 @@ class RouterSets:
         self.mask_model: dict | None = None  # the correlated masks' fitted model, once fitted
 
     def cfg(self, cap: float):
-        ffn, head = self.bm.run.options.group_sizes(self.bm.name)
-        return M.make_cfg(cap, ffn, head)
+        o = self.bm.run.options
+        ffn, head = o.group_sizes(self.bm.name)
+        return M.make_cfg(cap, ffn, head, o.router_recipe(self.bm.name))
 
     def correlated_model(self) -> dict:
         """Fit the correlated masks' rho to the trained routers' statistics (or the stored defaults)."""

@@ -127,6 +127,17 @@ def paths_summary(reports) -> str:
     return "; ".join(parts)
 
 
+# the rewrites beside the paths that a row's graphs ran, as the report counts them
+REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers.summed", "summed routers"),
+                  ("sum_routers.composed", "composed pair routers"), ("rewrite_attention.qkv_fused", "K/V in q's launch"),
+                  ("rewrite_sdpa.decode", "sparse decode attention"), ("rewrite_sdpa.prefill", "sparse prefill attention"))
+
+
+def rewrites_summary(reports) -> str:
+    """" + fused norm/router + K/V in q's launch ..." for the rewrites any of the compiled graphs counted."""
+    return "".join(f" + {what}" for key, what in REWRITE_COUNTS if any(rep.counts.get(key) for rep in reports))
+
+
 def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
     """The WIDE model compiled the way --wide-entry says (routers already attached for "backend"). The cost model
     assumes masks of density `capacity`; the paths it picks go to info["paths"] when the model compiles."""
@@ -138,8 +149,7 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
     def report(rep):
         reports.append(rep)
         if info is not None:
-            info["paths"] = paths_summary(reports) + (" + fused norm/router" if rep.counts.get(
-                "fuse_norm_router.fused") else "")
+            info["paths"] = paths_summary(reports) + rewrites_summary(reports)
 
     own = {**({"kernel_config": kc} if kc else {})}
     if options.wide_entry == "optimize" or options.wide_backend == "wide":  # the project's backend's own options
