@@ -67,7 +67,7 @@ class BenchOptions:
     head_group_size: int = 1
     smollm2_ffn_group_size: int = 64
     smollm2_head_group_size: int = 1
-    smollm2_router_recipe: str = "linear"
+    smollm2_router_recipe: str = "wide"
     smollm2_weights: str = "auto"
     smollm2_gguf: str | None = None
     text_file: str | None = None
@@ -245,9 +245,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--head-group-size", type=int, default=1, help="query heads per router group")
     p.add_argument("--smollm2-ffn-group-size", type=int, default=64, help="the same for SmolLM2")
     p.add_argument("--smollm2-head-group-size", type=int, default=1, help="the same for SmolLM2")
-    p.add_argument("--smollm2-router-recipe", choices=["linear", "wide"], default="linear",
-                   help="the SmolLM2 rows' random / structured routers: linear (D -> G on the normed input), or "
-                        "wide: the shipped routers' form (pair routers of rank router_rank on the residual stream)")
+    p.add_argument("--smollm2-router-recipe", choices=["linear", "wide"], default="wide",
+                   help="the SmolLM2 rows' random / structured routers: wide, the shipped routers' form (pair "
+                        "routers of rank router_rank on the residual stream), or linear (D -> G on the normed input, "
+                        "as every row of the 8B-shape models); each record says which (router_recipe)")
     p.add_argument("--smollm2-weights", choices=["auto", "random"], default="auto",
                    help="auto: the real SmolLM2 if it loads without network, else its shape with random weights")
     p.add_argument("--smollm2-gguf", default=None, help="path of SmolLM2-135M-Instruct.Q4_1.gguf")
