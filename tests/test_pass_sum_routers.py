@@ -1,7 +1,6 @@
 """passes/sum_routers.py: in graphs of decode size each unfused linear / pair router becomes one
-multiply-and-sum (router_fns.summed_linear_router_mask), in larger graphs a pair router becomes one composed
-linear GEMM (router_fns.linear_router_mask), and the logits stay the eager reference's; larger graphs' linear
-routers, SiLU-MLP routers and routers fused into their norm are left as they are."""
+multiply-and-sum (router_fns.summed_linear_router_mask) and the logits stay the eager reference's; larger graphs,
+SiLU-MLP routers and routers fused into their norm are left as they are."""
 import pytest
 import torch
 
@@ -14,7 +13,7 @@ from wide_compile.routing import router_fns as fns
 from test_passes_models import capture, gptfast_pair, run_logits
 
 
-def _run(recipe, T, hidden=0, fuse=False, batch=1, summed=True):
+def _run(recipe, T, hidden=0, fuse=False, batch=1, summed=True, compose=True):
     model = tiny_model("llama")
     cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe=recipe,
                         router_hidden=hidden)
@@ -28,17 +27,17 @@ def _run(recipe, T, hidden=0, fuse=False, batch=1, summed=True):
     (gm, ex), = capture(model, input_ids=ids)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    ctx = PassManager(sum_routers=summed, fuse_norm_router=fuse).run(gm, ex)
+    ctx = PassManager(sum_routers=summed, fuse_norm_router=fuse, compose_routers=compose).run(gm, ex)
     torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=1e-5, rtol=1e-5)
     return op_counts(gm), ctx, model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("recipe", ["linear", "wide"])
+@pytest.mark.parametrize("recipe,compose", [("linear", True), ("wide", True), ("wide", False)])
 @pytest.mark.parametrize("T,batch", [(1, 1), (3, 2)])
-def test_decode_size_routers_are_summed(recipe, T, batch):
-    """Linear routers and the method's pair routers (composed first): one summed router per block, no router
-    linears or thresholds left."""
-    c, ctx, L = _run(recipe, T, batch=batch)
+def test_decode_size_routers_are_summed(recipe, compose, T, batch):
+    """Linear routers and the method's pair routers (composed first, by compose_routers or by this pass): one
+    summed router per block, no router linears or thresholds left."""
+    c, ctx, L = _run(recipe, T, batch=batch, compose=compose)
     assert ctx.report.counts["sum_routers.summed"] == 2 * L == c.get("summed_linear_router_mask", 0)
     assert c.get("gt", 0) == 0 and c.get("unflatten", 0) == 0
 
@@ -46,20 +45,8 @@ def test_decode_size_routers_are_summed(recipe, T, batch):
 def test_prefill_size_and_mlp_routers_keep_their_gemm():
     c, ctx, _ = _run("linear", DECODE_T + 1)
     assert ctx.report.counts["sum_routers.summed"] == 0 and c.get("summed_linear_router_mask", 0) == 0
-    assert ctx.report.counts["sum_routers.composed"] == 0
     c, ctx, _ = _run("linear", 1, hidden=8)  # a SiLU between the layers: not one reduction
     assert ctx.report.counts["sum_routers.summed"] == 0
-
-
-@pytest.mark.parametrize("T,batch", [(DECODE_T + 1, 1), (9, 3)])
-def test_prefill_size_pair_routers_run_one_composed_gemm(T, batch):
-    """The method's pair router above decode size: one linear router over the composed map per block, its two
-    layers, their unflatten and difference gone; the logits stay the two-layer reference's (checked in _run)."""
-    c, ctx, L = _run("wide", T, batch=batch)
-    before, _, _ = _run("wide", T, batch=batch, summed=False)
-    assert ctx.report.counts["sum_routers.composed"] == 2 * L == c.get("linear_router_mask", 0)
-    assert ctx.report.counts["sum_routers.summed"] == 0 and c.get("unflatten", 0) == 0
-    assert before["linear"] - c.get("linear", 0) == 2 * 2 * L  # two linears per router, two routers per layer
 
 
 def test_routers_fused_into_their_norms_stay_fused():

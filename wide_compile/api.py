@@ -56,9 +56,11 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              mask_stats: what the cost model assumes of the masks, default the routers' target capacity; kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
              for CUDA graphs, Inductor patches; sparse_attention="auto" | True | False: attention itself over
              the active head groups only, "auto" where the head groups are KV-aligned, see
-             passes.manager.default_passes; fuse_qkv=False: K / V as their own linears).
+             passes.manager.default_passes; fuse_qkv=False: K / V as their own linears; compose_routers=False:
+             pair routers as their two layers).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
-    concatenated weight, the K-skipping tile kernels' transposed reduction weights), as Inductor's freezing
+    concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed
+    reduction weights), as Inductor's freezing
     does. Change weights (merge a LoRA, load a checkpoint) before the first call, or call
     torch._dynamo.reset() and optimize again after changing them.
     """

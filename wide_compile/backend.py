@@ -24,8 +24,9 @@ Options (keyword arguments, or torch.compile(..., options={...})):
     fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
                    run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
     sum_routers    True: in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as one
-                   Inductor reduction instead of an fp32 GEMM, in larger graphs each unfused pair router as one
-                   GEMM over its composed linear map (passes/sum_routers.py); default False
+                   Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); default False
+    compose_routers  True (default): each pair router runs as the one linear map it is, one fp32 GEMM where its two
+                   layers ran two (passes/compose_routers.py); False keeps the two layers
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears
@@ -51,7 +52,7 @@ from .passes._ops import missing_ops
 log = logging.getLogger("wide_compile.backend")
 
 _OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
-        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv")
+        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv", "compose_routers")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -79,7 +80,8 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
         passes = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
                              fuse_norm_router=bool(own.get("fuse_norm_router")),
                              sum_routers=bool(own.get("sum_routers")),
-                             fuse_qkv=bool(own.get("fuse_qkv", True)))
+                             fuse_qkv=bool(own.get("fuse_qkv", True)),
+                             compose_routers=bool(own.get("compose_routers", True)))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))

@@ -15,9 +15,9 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
   wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
                 launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
-  wide_summed   wide with the decode-size routers as Inductor reductions and larger graphs' pair routers as one
-                composed GEMM (sum_routers=True)
+  wide_summed   wide with the decode-size routers as Inductor reductions (sum_routers=True)
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
+  wide_pair_routers  wide with pair routers as their two layers (compose_routers=False): what composing them buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also 1-head groups), beside wide's --sparse-attention setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -129,7 +129,8 @@ def paths_summary(reports) -> str:
 
 # the rewrites beside the paths that a row's graphs ran, as the report counts them
 REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers.summed", "summed routers"),
-                  ("sum_routers.composed", "composed pair routers"), ("rewrite_attention.qkv_fused", "K/V in q's launch"),
+                  ("rewrite_attention.qkv_fused", "K/V in q's launch"),
+                  ("compose_routers.composed", "composed pair routers"),
                   ("rewrite_sdpa.decode", "sparse decode attention"), ("rewrite_sdpa.prefill", "sparse prefill attention"))
 
 
@@ -156,7 +157,7 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
         # sparse_attention stated either way, so a row means the same whatever optimize's default is
         own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
                    fuse_norm_router=options.fuse_norm_router, sum_routers=options.sum_routers,
-                   fuse_qkv=options.fuse_qkv,
+                   fuse_qkv=options.fuse_qkv, compose_routers=options.compose_routers,
                    sparse_attention=bool(options.sparse_attention))
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
@@ -227,6 +228,10 @@ def build_wide_qkv_split(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, fuse_qkv=False)
 
 
+def build_wide_pair_routers(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, compose_routers=False)
+
+
 def build_wide_sparse_attn(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, sparse_attention=True)
 
@@ -249,11 +254,13 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("wide_fused_dense", "wide_fused_dense", "routers", build_wide_fused_dense, why_not=_wide_why_not),
     VariantSpec("wide_summed", "wide_summed", "routers", build_wide_summed, why_not=_wide_why_not),
     VariantSpec("wide_qkv_split", "wide_qkv_split", "routers", build_wide_qkv_split, why_not=_wide_why_not),
+    VariantSpec("wide_pair_routers", "wide_pair_routers", "routers", build_wide_pair_routers, why_not=_wide_why_not),
     VariantSpec("wide_sparse_attn", "wide_sparse_attn", "routers", build_wide_sparse_attn, why_not=_wide_why_not),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
 # timed only when --variants names them (each is one more WIDE compile per row)
-OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed", "wide_qkv_split", "wide_sparse_attn")
+OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed", "wide_qkv_split", "wide_pair_routers",
+          "wide_sparse_attn")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")

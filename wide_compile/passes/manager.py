@@ -16,6 +16,7 @@ from torch import fx
 from ..config import GroupGeometry
 from ._graph import describe, is_call, is_linear, is_mul, linear_parts, match_group_mask
 from .base import DENSE_EVERYWHERE, Pass, PassContext, counters, log, op_counts
+from .compose_routers import ComposeRouters
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
 from .fuse_norm_router import FuseNormRouter
@@ -33,7 +34,7 @@ def check_sparse_attention(value) -> None:
 
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False,
-                   sum_routers: bool = False, fuse_qkv: bool = True) -> list[Pass]:
+                   sum_routers: bool = False, fuse_qkv: bool = True, compose_routers: bool = True) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites the blocks whose head groups are KV-aligned
     (whole KV heads, so decode reads only the active groups' cache), True every block whose groups allow it
@@ -42,22 +43,24 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     block's RMSNorm and router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
     (benchmarks/results/lean-h100/README.md). It runs after the rewrites: the earlier passes hold the mask nodes it
     replaces. `sum_routers` adds sum_routers (opt-in until timed): the routers left unfused in graphs of decode size
-    as one Inductor reduction each, pair routers in larger graphs as one composed GEMM, after fuse_norm_router so
-    that the fused ones stay fused. `fuse_qkv` (default)
-    lets K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS)."""
+    as one Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default)
+    lets K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers`
+    (default) runs each pair router as the one linear map it is, after the rewrites and before the passes that
+    fuse or sum routers."""
     check_sparse_attention(sparse_attention)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
               RewriteAttention(fuse_qkv=fuse_qkv)]
     passes += [RewriteSDPA(kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
+    passes += [ComposeRouters()] if compose_routers else []
     return passes + ([FuseNormRouter()] if fuse_norm_router else []) + ([SumRouters()] if sum_routers else [])
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = False,
-                 fuse_qkv: bool = True):
+                 fuse_qkv: bool = True, compose_routers: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
-                                                                             sum_routers, fuse_qkv)
+                                                                             sum_routers, fuse_qkv, compose_routers)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
