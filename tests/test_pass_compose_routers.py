@@ -82,3 +82,4 @@ def test_compiled_model_matches_eager():
         got = wc.optimize(model, routers)(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert any(r.counts.get("compose_routers.composed") for r in model._wide_reports)
+    assert "router: pair composed into one linear map" in str(wc.explain(model))

@@ -77,6 +77,7 @@ class MLPMatch(_BlockForm):
     activation: str = "silu"             # the gate's activation (kernels.reference.ACTIVATIONS)
     paths: dict = field(default_factory=dict)  # op -> cost_model.Decision of its rewritten op
     router_fused: bool = False           # its norm and router run as one wide.rmsnorm_router (fuse_norm_router)
+    router_forms: list = field(default_factory=list)  # "composed" (compose_routers), "summed" (sum_routers)
     bucket: fx.Node | None = None        # structured router: prototype id per token [...] (match_buckets)
     protos: fx.Node | None = None        # structured router: bool prototype table [P, G]
     ops: dict = field(default_factory=dict)  # "mlp" -> the wide op it runs ("mlp" / "mlp_bucket")
@@ -105,6 +106,7 @@ class AttnMatch(_BlockForm):
     sdpa_reason: str = ""                # why sdpa stayed dense in a rewritten block
     paths: dict = field(default_factory=dict)  # "q" / "o" -> cost_model.Decision of its rewritten op
     router_fused: bool = False
+    router_forms: list = field(default_factory=list)
     bucket: fx.Node | None = None        # as MLPMatch
     protos: fx.Node | None = None
     ops: dict = field(default_factory=dict)  # "q" / "o" -> the wide op each runs ("o_proj" / "o_proj_bucket")

@@ -43,5 +43,6 @@ class ComposeRouters(Pass):
             blk.mask.replace_all_uses_with(new)
             blk.mask = new
             erase_unused(ctx.gm, nodes)
+            blk.router_forms.append("composed")
             ctx.count("compose_routers.composed")
             log.info("wide: layer %d: pair router composed into one linear map", blk.layer)

@@ -132,8 +132,8 @@ def _leftover_hint(ctx: PassContext, inner: fx.Node) -> tuple[str, str, str]:
 
 def _kernel_detail(b, plural: bool) -> str:
     """The report's tail for a block (MLPMatch / AttnMatch): its ops, why a structured router is on the
-    free-mask ops, the kernel paths and the fused norm + router, each as "; ..." (`plural`: the block has
-    several ops)."""
+    free-mask ops, the kernel paths, the router's rewrites and the fused norm + router, each as "; ..."
+    (`plural`: the block has several ops)."""
     s = "s" if plural else ""
     parts = []
     if b.ops:
@@ -142,6 +142,9 @@ def _kernel_detail(b, plural: bool) -> str:
         parts.append(f"structured router on the free-mask op{s} (mask = protos[bucket]): {b.bucket_reason}")
     if b.paths:
         parts.append(f"path{s}: " + ", ".join(str(d) for d in b.paths.values()))
+    if b.router_forms:
+        parts.append("router: " + ", ".join({"composed": "pair composed into one linear map",
+                                             "summed": "summed over the width"}[f] for f in b.router_forms))
     if b.router_fused:
         parts.append("norm + router: wide.rmsnorm_router")
     return "".join("; " + p for p in parts)

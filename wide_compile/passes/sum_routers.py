@@ -48,5 +48,6 @@ class SumRouters(Pass):
             blk.mask.replace_all_uses_with(new)
             blk.mask = new
             erase_unused(ctx.gm, nodes)
+            blk.router_forms.append("summed")
             ctx.count("sum_routers.summed")
             log.info("wide: layer %d: %s router summed over the width (%d tokens)", blk.layer, kind, T)
