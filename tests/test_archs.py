@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import wide_compile as wc
+from wide_compile.api import _find_cause
 from wide_compile.backend import wide_backend
 from wide_compile.models import ModelSpec
 from wide_compile.models.spec import UnsupportedModelError
@@ -179,7 +180,7 @@ def test_dense_graph_routers_for_blocks_not_found_is_an_error():
                        fullgraph=True)
     with pytest.raises(Exception) as e, torch.no_grad():
         cm(input_ids=torch.randint(0, 128, (1, 5)))
-    err = wc.api._find_cause(e.value, RoutingDroppedError)
+    err = _find_cause(e.value, RoutingDroppedError)
     assert err is not None, e.value
     msg = str(err)
     assert "routers for 1 layers were given" in msg and "0 attention block(s) and 0 gated MLP(s)" in msg
