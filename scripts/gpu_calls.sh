@@ -46,12 +46,14 @@
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
 #   lean                   issue 23's lean routed step in one call: the fused norm + router kernel's, the cost
-#                          model's and the K / V fusion's kernel tests compiled on CUDA (the pytest wheels in .whl/), then bench_e2e on
-#                          the goal rows with WIDE three ways in the same interleaved rows: the cost model's paths
-#                          (wide; its choice per row in the path column), the tuning table's (wide_table), and the
-#                          cost model plus the fused norm + router (wide_fused): 8B shape (LEAN_LAYERS, default
-#                          8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and the
-#                          SmolLM2 shape with random weights (decode ctx 1024 x 1 / x 8, prefill 2048 x 1);
+#                          model's and the K / V fusion's kernel tests compiled on CUDA (the pytest wheels in .whl/),
+#                          then bench_e2e on the goal rows with WIDE several ways in the same interleaved rows (default:
+#                          the cost model's paths, wide, its choice per row in the path column; the tuning table's,
+#                          wide_table; pair routers uncomposed, wide_pair_routers; routers summed at decode,
+#                          wide_summed; attention over the active heads, wide_sparse_attn): 8B shape (LEAN_LAYERS,
+#                          default 8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and
+#                          the SmolLM2 shape with random weights and routers of the shipped form (decode ctx 1024 x 1
+#                          / x 8, prefill 2048 x 1);
 #                          LEAN_VARIANTS replaces the variant list, LEAN_SMOL=0 skips the SmolLM2 rows, LEAN_8B=0
 #                          the 8B rows; LEAN_ARGS adds bench_e2e options to the 8B rows (e.g. --head-group-size 4
 #                          --sparse-attention), LEAN_NAME a suffix to their files, LEAN_8B_BATCH their decode
@@ -225,6 +227,9 @@ e2e() {
   timeout "$t" python3 benchmarks/bench_e2e.py --time-budget-s $(( t - 30 )) --out "$OUT" "$@" > "$OUT/$name.log" 2>&1
   grep -E "^  SKIP|FAILED|replay check|wrote|speedup" "$OUT/$name.log" | tail -14
 }
+
+# the lean step's variants unless LEAN_VARIANTS says otherwise
+LEAN_DEFAULT_VARIANTS="inductor static wide wide_table wide_pair_routers wide_summed wide_sparse_attn"
 
 # the 4-layer runs time fewer, shorter rounds: each row's ratio still comes from one interleaved run
 SHORT=(--target-s 0.3 --rounds 3 --no-budget-split)
@@ -453,13 +458,13 @@ step() {
       tests/test_kernel_norm_router.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
     [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
       --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch ${LEAN_8B_BATCH:-1 8} --capacities 0.5 --masks random \
-      --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} --profile "${SHORT[@]}" --no-plot \
+      --variants ${LEAN_VARIANTS:-$LEAN_DEFAULT_VARIANTS} --profile "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-8b${LEAN_NAME:-} ${LEAN_ARGS:-}
     [ "${LEAN_SMOL:-1}" = 1 ] || return 0
     e2e e2e-lean-smollm2 "${LEAN_SMOL_TIMEOUT:-170}" --models smollm2-135m --smollm2-weights random \
       --phases ${LEAN_SMOL_PHASES:-decode prefill} --decode-ctx 1024 --decode-batch 1 8 --prefill-tokens 2048 \
       --prefill-batch 1 --capacities 0.5 --masks random \
-      --variants ${LEAN_VARIANTS:-inductor static wide wide_table wide_fused} "${SHORT[@]}" --no-plot \
+      --variants ${LEAN_VARIANTS:-$LEAN_DEFAULT_VARIANTS} "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-smollm2${LEAN_SMOL_NAME:-} ${LEAN_SMOL_ARGS:-} ;;
   norm_router)  # the fused norm + router's kernel tests compiled on CUDA, then its decode-size timings
     TRITON_INTERPRET=0 timeout "${NR_TEST_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider \

@@ -486,6 +486,10 @@ def test_gpu_calls_use_existing_options():
                 known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', path.read_text()))
                 assert flags <= known, (st.split(")")[0], name, flags - known)
     assert seen_e2e >= 8
+    from e2e.variants import VARIANTS
+
+    lean = re.search(r'^LEAN_DEFAULT_VARIANTS="([^"]*)"', text, re.M).group(1).split()
+    assert lean and set(lean) <= set(VARIANTS), set(lean) - set(VARIANTS)
 
 
 def test_gpu_calls_sweep_runs_parse():
