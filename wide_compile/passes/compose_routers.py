@@ -1,4 +1,4 @@
-"""Pass 7 (default; optimize(..., compose_routers=False) keeps the two layers): the method's pair router as the
+"""Pass 8 (default; optimize(..., compose_routers=False) keeps the two layers): the method's pair router as the
 one linear map it is.
 
 A pair router (routing/router_fns.pair_router_mask: hidden -> rank r -> one (skip, execute) logit pair per group,

@@ -1,4 +1,4 @@
-"""Pass 7 (opt-in: optimize(..., fuse_norm_router=True)): fuse each rewritten block's RMSNorm and the router
+"""Pass 9 (opt-in: optimize(..., fuse_norm_router=True)): fuse each rewritten block's RMSNorm and the router
 that reads the same row into one wide.rmsnorm_router launch (kernels/norm_router.py).
 
 Per block (attention: the norm feeding q; MLP: the norm feeding gate/up) the pass matches

@@ -1,4 +1,4 @@
-"""Pass 6: attention that skips. A routed attention block's sdpa call becomes
+"""Pass 7: attention that skips. A routed attention block's sdpa call becomes
 
 * `wide.attn_decode` when the query has one token per sequence (a decode step over a KV cache): only the KV
   heads of the active head groups are read; the cache's bool mask [B, 1, 1, L] becomes the key mask;

@@ -1,4 +1,4 @@
-"""Pass 8 (opt-in: optimize(..., sum_routers=True)): at decode sizes, each unfused linear or pair router computes
+"""Pass 10 (opt-in: optimize(..., sum_routers=True)): at decode sizes, each unfused linear or pair router computes
 its logits as a multiply-and-sum over the width (router_fns.summed_linear_router_mask) instead of an fp32 GEMM.
 
 At a few tokens an fp32 router GEMM runs on cuBLAS as a dot kernel and a reduce kernel, then Inductor's threshold
