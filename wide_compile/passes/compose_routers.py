@@ -4,11 +4,10 @@ one linear map it is.
 A pair router (routing/router_fns.pair_router_mask: hidden -> rank r -> one (skip, execute) logit pair per group,
 execute iff the margin z_exec - z_skip > 0) has no nonlinearity between its layers, so its margin is
 h @ W^T + c with W = (w_up[1::2] - w_up[0::2]) @ w_down [G, D] (norm_router.compose_pair, built in float64 and
-stored fp32 once at compile time). Run as traced it is two fp32 GEMMs (no tensor cores), a view and a difference:
-at decode a few cuBLAS launches per router for a few kilobytes of weights, at prefill two SIMT GEMMs per router
-(benchmarks/results/lean-h100, the SmolLM2 profiles). Composed it is one GEMM of G outputs and a threshold, whose
-logits differ from the two-layer form's by rounding only (the freedom any compiled fp32 GEMM has: a decision
-within fp32 rounding of 0 may flip).
+stored fp32 once at compile time). Run as traced it is two fp32 GEMMs (no tensor cores: cuBLAS dot / reduce
+kernels at decode, SIMT GEMMs at prefill), a view and a difference. Composed it is one GEMM of G outputs and a
+threshold, whose logits differ from the two-layer form's by rounding only (the freedom any compiled fp32 GEMM
+has: a decision within fp32 rounding of 0 may flip).
 
 Which routers: a rewritten block's unfused pair router with float32 weights whose layers the graph holds as
 static weights (fuse_norm_router.match_router). It runs after the rewrites (they hold the mask nodes it replaces)
