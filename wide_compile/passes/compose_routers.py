@@ -16,32 +16,24 @@ and before fuse_norm_router and sum_routers, which then see a linear router.
 from __future__ import annotations
 
 from ..routing import router_fns as fns
-from ._graph import erase_unused
 from .base import Pass, PassContext, log
-from .fuse_norm_router import match_router, pair_as_linear
+from .fuse_norm_router import match_router, pair_as_linear, replace_router, unfused_routers
 
 
 class ComposeRouters(Pass):
     name = "compose_routers"
 
     def __call__(self, ctx: PassContext) -> None:
-        for blk in [*ctx.attns, *ctx.mlps]:
-            if blk.status != "rewritten" or blk.mask is None or blk.mask.op == "get_attr" or blk.router_fused:
-                continue
-            r, why = match_router(blk.mask)
+        for blk in unfused_routers(ctx):
+            r, _ = match_router(blk.mask)
             if r is None or r[0] != "pair":
                 continue
             _, h, tensors, nodes = r
-            if not all(t is None or ctx.weights.is_static_weight(t) for t in tensors):
+            composed = pair_as_linear(ctx, tensors, blk.mask)
+            if composed is None:
                 log.info("wide: layer %d: pair router kept as two layers: its weights are not static", blk.layer)
                 continue
-            at = blk.mask
-            w, c = pair_as_linear(ctx, tensors, at)
-            with ctx.gm.graph.inserting_before(at):
-                new = ctx.weights.call(fns.linear_router_mask, (h, w, c))
-            blk.mask.replace_all_uses_with(new)
-            blk.mask = new
-            erase_unused(ctx.gm, nodes)
+            replace_router(ctx, blk, fns.linear_router_mask, h, *composed, nodes)
             blk.router_forms.append("composed")
             ctx.count("compose_routers.composed")
             log.info("wide: layer %d: pair router composed into one linear map", blk.layer)

@@ -124,17 +124,37 @@ def match_router(mask):
     return (kind, h0, tuple(tensors), nodes + casts), ""
 
 
-def pair_as_linear(ctx: PassContext, tensors, at) -> tuple:
+def pair_as_linear(ctx: PassContext, tensors, at) -> tuple | None:
     """Graph constants (W [G, D], c [G]) of a pair router's (w_down, b_down, w_up, b_up) composed into the one
-    linear map it is (norm_router.compose_pair), made once at compile time and inserted before `at`."""
+    linear map it is (norm_router.compose_pair), made once at compile time and inserted before `at`; None where
+    the router's weights are not model parameters (a compile-time constant can only be made of those)."""
     from ..kernels.norm_router import compose_pair  # the kernels import Triton: only when a pair router is composed
 
+    if not all(t is None or ctx.weights.is_static_weight(t) for t in tensors):
+        return None
     real = [ctx.weights.tensor(t) if t is not None else None for t in tensors]
     key = tuple(id(t) for t in real)
     with torch.no_grad():
         composed = compose_pair(*real)
     return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda t=t: t, before=at)
                  for i, (name, t) in enumerate(zip(("router_w", "router_b"), composed)))
+
+
+def unfused_routers(ctx: PassContext) -> list:
+    """The rewritten blocks whose router is still a graph of its own (not a constant mask, not fused into its
+    norm): the routers compose_routers and sum_routers rewrite."""
+    return [b for b in (*ctx.attns, *ctx.mlps)
+            if b.status == "rewritten" and b.mask is not None and b.mask.op != "get_attr" and not b.router_fused]
+
+
+def replace_router(ctx: PassContext, blk, fn, h, w, b, nodes) -> None:
+    """blk's router as fn(h, w, b) inserted where its mask node was: the mask's users read the new node, and the
+    old router's nodes go."""
+    with ctx.gm.graph.inserting_before(blk.mask):
+        new = ctx.weights.call(fn, (h, w, b))
+    blk.mask.replace_all_uses_with(new)
+    blk.mask = new
+    erase_unused(ctx.gm, nodes)
 
 
 def _private(nodes, keep) -> bool:

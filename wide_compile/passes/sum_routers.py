@@ -18,18 +18,16 @@ from __future__ import annotations
 
 from ..kernels.tuning import DECODE_T
 from ..routing import router_fns as fns
-from ._graph import erase_unused, static_rows
+from ._graph import static_rows
 from .base import Pass, PassContext, log
-from .fuse_norm_router import match_router, pair_as_linear
+from .fuse_norm_router import match_router, pair_as_linear, replace_router, unfused_routers
 
 
 class SumRouters(Pass):
     name = "sum_routers"
 
     def __call__(self, ctx: PassContext) -> None:
-        for blk in [*ctx.attns, *ctx.mlps]:
-            if blk.status != "rewritten" or blk.mask is None or blk.mask.op == "get_attr" or blk.router_fused:
-                continue
+        for blk in unfused_routers(ctx):
             T = static_rows(blk.x)
             if T is None or T > DECODE_T:
                 continue
@@ -40,14 +38,12 @@ class SumRouters(Pass):
             kind, h, tensors, nodes = r
             if kind == "mlp":  # a SiLU between its layers: two reductions and a pointwise, not one launch
                 continue
-            at = blk.mask
             if kind == "pair":
-                tensors = pair_as_linear(ctx, tensors, at)
-            with ctx.gm.graph.inserting_before(at):
-                new = ctx.weights.call(fns.summed_linear_router_mask, (h, *tensors[:2]))
-            blk.mask.replace_all_uses_with(new)
-            blk.mask = new
-            erase_unused(ctx.gm, nodes)
+                tensors = pair_as_linear(ctx, tensors, blk.mask)
+                if tensors is None:
+                    log.info("wide: layer %d: router kept as a GEMM: its weights are not static", blk.layer)
+                    continue
+            replace_router(ctx, blk, fns.summed_linear_router_mask, h, *tensors[:2], nodes)
             blk.router_forms.append("summed")
             ctx.count("sum_routers.summed")
             log.info("wide: layer %d: %s router summed over the width (%d tokens)", blk.layer, kind, T)
