@@ -455,7 +455,8 @@ step() {
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
   lean)
     [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kernel_norm_router.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 | tee "$OUT/lean-tests-cuda.log" | tail -4
+      tests/test_kernel_norm_router.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 \
+      | tee "$OUT/lean-tests-cuda.log" | tail -4
     [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
       --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch ${LEAN_8B_BATCH:-1 8} --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-$LEAN_DEFAULT_VARIANTS} --profile "${SHORT[@]}" --no-plot \

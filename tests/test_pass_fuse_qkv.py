@@ -150,7 +150,8 @@ def test_structured_routers_fuse_k_and_v_at_one_token(arch, structure, T):
 @pytest.mark.parametrize("path", ["gemv", "dense", "union", "lists"])
 def test_q_proj_bucket_runs_the_groups_past_its_table_always_on(path):
     """wide.q_proj_bucket's paths (one-token GEMV, few tokens dense or as a union block, bucket lists) on
-    [q; k; v] with a prototype table of q's 5 groups (P = 3, one prototype all off): equal to the same call with the table padded with K / V's groups on, and to float64 within 1e-5."""
+    [q; k; v] with a prototype table of q's 5 groups (P = 3, one prototype all off): equal to the same call with
+    the table padded with K / V's groups on, and to float64 within 1e-5."""
     from wide_compile.kernels.bucket_attn import q_proj_bucket_triton
 
     g = torch.Generator().manual_seed(2)

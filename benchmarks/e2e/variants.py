@@ -131,7 +131,8 @@ def paths_summary(reports) -> str:
 REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers.summed", "summed routers"),
                   ("rewrite_attention.qkv_fused", "K/V in q's launch"),
                   ("compose_routers.composed", "composed pair routers"),
-                  ("rewrite_sdpa.decode", "sparse decode attention"), ("rewrite_sdpa.prefill", "sparse prefill attention"))
+                  ("rewrite_sdpa.decode", "sparse decode attention"),
+                  ("rewrite_sdpa.prefill", "sparse prefill attention"))
 
 
 def rewrites_summary(reports) -> str:
