@@ -41,9 +41,9 @@ def _run(recipe, T, batch=1, hidden=0, **opts):
 
 @pytest.mark.parametrize("T,batch", [(1, 1), (3, 2), (DECODE_T + 1, 1), (9, 3)])
 def test_pair_routers_run_as_one_linear_map(T, batch):
-    """Default passes: one linear router per block at decode and prefill sizes; each router's two linears and its
-    (skip, execute) difference are gone."""
-    c, counts, L, before = _run("wide", T, batch)
+    """One linear router per block at decode and prefill sizes (sum_routers off: it would sum the decode ones); each
+    router's two linears and its (skip, execute) difference are gone."""
+    c, counts, L, before = _run("wide", T, batch, sum_routers=False)
     assert counts["compose_routers.composed"] == 2 * L == c.get("linear_router_mask", 0)
     assert before["linear"] - c["linear"] == 2 * 2 * L  # two layers per router, two routers per layer
 
@@ -83,3 +83,58 @@ def test_compiled_model_matches_eager():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert any(r.counts.get("compose_routers.composed") for r in model._wide_reports)
     assert "router: pair composed into one linear map" in str(wc.explain(model))
+
+
+def _pair_tensors(D, R, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(R, D, generator=g) * 0.2, torch.randn(R, generator=g) * 0.5,
+            torch.randn(2 * G, R, generator=g) * 0.2, torch.randn(2 * G, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("T,D,R,G", [(1, 64, 32, 4), (33, 96, 16, 9), (200, 576, 32, 24)])
+def test_split_composed_logits_are_the_pair_margin(T, D, R, G):
+    """The composed weight as a bf16 pair over bf16 inputs (router_fns.split_logits) against the two-layer margin
+    in float64: within 2^-14 of the sum of |products| (the pair holds W to about 2^-16; fp32 accumulation), and
+    every decision whose margin is clear of that bound agrees."""
+    from wide_compile.kernels.norm_router import compose_pair
+    from wide_compile.routing import router_fns as fns
+    from wide_compile.routing.routers import split_bf16
+
+    wd, bd, wu, bu = _pair_tensors(D, R, G, seed=T)
+    h = torch.randn(T, D, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    w, c = compose_pair(wd, bd, wu, bu)
+    got = fns.split_logits(h, split_bf16(w), c).double()
+    want = fns.pair_margin(h.double(), wd.double(), bd.double(), wu.double(), bu.double())
+    bound = 2.0 ** -14 * ((h.double().abs() @ w.double().abs().t()) + c.double().abs())
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+    clear = want.abs() > bound
+    assert torch.equal((got > 0)[clear], (want > 0)[clear]) and clear.float().mean() > 0.99
+
+
+@pytest.mark.parametrize("T,dtype,split", [(DECODE_T + 1, torch.bfloat16, True), (3, torch.bfloat16, False),
+                                           (DECODE_T + 1, torch.float32, False)])
+def test_split_routers_in_bf16_graphs_of_prefill_size(T, dtype, split):
+    """split_routers (optimize's router_dtype="bf16x2"): a bf16 graph of more than DECODE_T tokens runs each
+    composed router as split_router_mask; smaller graphs keep the fp32 weight (summed), fp32 graphs are never
+    split. The logits stay the eager two-layer reference's (bf16: 2e-2)."""
+    model = tiny_model("llama").to(dtype)
+    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe="wide")
+    routers = wc.Routers.init(model, cfg, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in routers.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    wc.attach(model, routers)
+    ids = torch.randint(0, 128, (1, T))
+    (gm, ex), = capture(model, input_ids=ids)
+    ctx = PassManager(split_routers=True).run(gm, ex)
+    L = model.config.num_hidden_layers
+    c = op_counts(gm)
+    assert ctx.report.counts["compose_routers.composed"] == 2 * L
+    assert ctx.report.counts["compose_routers.split"] == c.get("split_router_mask", 0) == (2 * L if split else 0)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=tol, rtol=tol)
+    if split:
+        assert "router: pair composed into one linear map, on tensor cores over a bf16 pair" in str(ctx.report)

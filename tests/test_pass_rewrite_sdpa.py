@@ -3,8 +3,8 @@ wide.attn_prefill (a causal prefill without a cache), compiled through Inductor 
 references), against the eager WIDE reference (wc.attach) on a separate copy of the model.
 
 fp32, tolerance 1e-5 on the logits. Counters say which rewrite ran; a grouping that straddles KV heads keeps
-sdpa dense with the reason in explain(), and so does a grouping that is not KV-aligned under the default
-sparse_attention="auto"."""
+sdpa dense with the reason in explain(), and so does a prefill whose grouping is not KV-aligned under the
+default sparse_attention="auto"."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -102,8 +102,8 @@ def test_sparse_attention_choices():
     def rewrite(passes):
         return [p for p in passes if isinstance(p, RewriteSDPA)]
 
-    assert [p.kv_aligned_only for p in rewrite(default_passes())] == [True]           # "auto"
-    assert [p.kv_aligned_only for p in rewrite(default_passes(sparse_attention=True))] == [False]
+    assert [p.prefill_kv_aligned_only for p in rewrite(default_passes())] == [True]           # "auto"
+    assert [p.prefill_kv_aligned_only for p in rewrite(default_passes(sparse_attention=True))] == [False]
     assert rewrite(default_passes(sparse_attention=False)) == []
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="sparse_attention must be"):
@@ -112,21 +112,49 @@ def test_sparse_attention_choices():
         wc.optimize(tiny_model("llama"), _routers(tiny_model("llama"), 2), sparse_attention="on")
 
 
-@pytest.mark.parametrize("head_group_size, rewritten", [(2, 2), (1, 0)])   # tiny llama: 2 query heads per KV head
-def test_auto_rewrites_kv_aligned_groups_only(head_group_size, rewritten):
-    """optimize's default (sparse_attention="auto"): KV-aligned groups run wide.attn_decode, 1-head groups keep
-    sdpa with the reason in explain(); both equal the eager reference."""
+@pytest.mark.parametrize("head_group_size", [1, 2])   # tiny llama: 2 query heads per KV head
+def test_auto_rewrites_every_decode(head_group_size):
+    """optimize's default (sparse_attention="auto"): decode steps run wide.attn_decode for KV-aligned and 1-head
+    groups alike; both equal the eager reference."""
     counters.clear()
     torch._dynamo.reset()
     ids, nxt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 1))
     model = tiny_model("llama")
     r = _routers(model, head_group_size)
     got = _prefill_then_decode(wc.optimize(model, r), ids, nxt)
-    assert counters["wide"]["rewrite_sdpa.decode"] == rewritten
-    if not rewritten:
-        assert counters["wide"]["rewrite_sdpa.kept_dense"] >= 2
-        assert "KV-aligned head groups only" in str(wc.explain(model))
+    assert counters["wide"]["rewrite_sdpa.decode"] == 2
     ref_model = tiny_model("llama")
     wc.attach(ref_model, r)
     for g, w in zip(got, _prefill_then_decode(ref_model, ids, nxt)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_group_size, rewritten", [(2, 2), (1, 0)])
+def test_auto_rewrites_kv_aligned_prefills_only(head_group_size, rewritten):
+    """Under "auto" a causal prefill's attention is rewritten for KV-aligned groups only; 1-head groups keep sdpa
+    with the reason in explain(), and sparse_attention=True rewrites them. Every result equals the eager
+    reference."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("wide_test_unpadded", _unpadded_sdpa)
+    AttentionMaskInterface.register("wide_test_unpadded", sdpa_mask)
+    ids = torch.randint(0, 100, (2, 9))
+    ref_model = tiny_model("llama")
+    ref_model.config._attn_implementation = "wide_test_unpadded"
+    r = _routers(ref_model, head_group_size)
+    wc.attach(ref_model, r)
+    with torch.no_grad():
+        want = ref_model(ids, use_cache=False).logits
+    for choice, n in (("auto", rewritten), (True, 2)):
+        counters.clear()
+        torch._dynamo.reset()
+        model = tiny_model("llama")
+        model.config._attn_implementation = "wide_test_unpadded"
+        with torch.no_grad():
+            got = wc.optimize(model, r, sparse_attention=choice)(ids, use_cache=False).logits
+        assert counters["wide"]["rewrite_sdpa.prefill"] == n, choice
+        if not n:
+            assert counters["wide"]["rewrite_sdpa.kept_dense"] == 2
+            assert "KV-aligned head groups only" in str(wc.explain(model))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -50,14 +50,17 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              "bf16x2" (bf16 models): keep the fp32 weights and run each linear router as one bf16 tensor-core
              GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
-             runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS).
+             runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS). Pair routers
+             (the method's) are split once the pass has composed them, in graphs of prefill size
+             (passes/compose_routers.py).
     options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
-             projection runs; default the tuning table's paths, "auto" the cost model's pick per token count;
-             mask_stats: what the cost model assumes of the masks, default the routers' target capacity; kernel_config for the kernels' tile table, strict, mode="reduce-overhead"
-             for CUDA graphs, Inductor patches; sparse_attention="auto" | True | False: attention itself over
-             the active head groups only, "auto" where the head groups are KV-aligned, see
+             projection runs; default "auto", the cost model's pick per token count, "table" the tuning table's;
+             mask_stats: what the cost model assumes of the masks, default the routers' target capacity;
+             kernel_config for the kernels' tile table, strict, mode="reduce-overhead" for CUDA graphs, Inductor
+             patches; sparse_attention="auto" | True | False: attention itself over the active head groups only,
+             "auto" at every decode step and at prefills whose head groups are KV-aligned, see
              passes.manager.default_passes; fuse_qkv=False: K / V as their own linears; compose_routers=False:
-             pair routers as their two layers).
+             pair routers as their two layers; sum_routers=False: decode-size routers as fp32 GEMMs).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
     concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed
     reduction weights), as Inductor's freezing
@@ -84,6 +87,7 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             p = next(model.parameters(), None)
             if router_dtype == "bf16x2":
                 target.split_bf16_()
+                options["split_routers"] = True  # pair routers: the pass splits them once composed
             else:
                 if router_dtype == "model":
                     dt = p.dtype if p is not None else torch.float32
@@ -112,9 +116,10 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             "attach them first (wide_compile.attach(model, routers)); make routers with "
             "wide_compile.Routers.init(model, cfg) / Routers.load(path, model)")
     backend_opts["report"] = reports.append
-    # the cost model decides only when asked (kernel_path="auto"): its device data are not yet checked against a
-    # timed run, so by default the measured tuning table decides; its mask density: the routers' target capacity
-    if backend_opts.get("kernel_path") == "auto" and backend_opts.get("mask_stats") is None:
+    # the cost model decides (kernel_path="auto", the default: it beat the tuning table's paths in every row timed
+    # side by side, benchmarks/results/lean-h100/README.md); its mask density: the routers' target capacity
+    backend_opts.setdefault("kernel_path", "auto")
+    if backend_opts["kernel_path"] == "auto" and backend_opts.get("mask_stats") is None:
         backend_opts["mask_stats"] = (routers if routers is not None else attached_routers(model)).cfg.capacity
     backend_opts["geometry"] = GroupGeometry.from_routers(routers if routers is not None else attached_routers(model))
     object.__setattr__(model, "_wide_reports", reports)

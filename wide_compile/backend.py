@@ -19,14 +19,16 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    "dense" every op on its dense-masked path, "compact" every op on its compact kernels
     mask_stats     what the cost model assumes of the masks: a density (share of active groups), a
                    passes.cost_model.MaskStats (measured: MaskStats.measure(recorded masks)), or
-                   {"attn": ..., "ffn": ...}; optimize passes the routers' target capacity. Without it "auto"
-                   keeps the tuning table's paths
+                   {"attn": ..., "ffn": ...}; default the target capacity of the routers (given here, or passed
+                   by optimize). Without it "auto" keeps the tuning table's paths
     fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
                    run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
-    sum_routers    True: in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as one
-                   Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); default False
+    sum_routers    True (default): in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as
+                   one Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); False keeps the GEMM
     compose_routers  True (default): each pair router runs as the one linear map it is, one fp32 GEMM where its two
                    layers ran two (passes/compose_routers.py); False keeps the two layers
+    split_routers  True (optimize's router_dtype="bf16x2"): a composed pair router of a bf16 graph of more than
+                   DECODE_T tokens runs as one bf16 tensor-core GEMM over its weight as a bf16 pair; default False
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears
@@ -52,7 +54,8 @@ from .passes._ops import missing_ops
 log = logging.getLogger("wide_compile.backend")
 
 _OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
-        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv", "compose_routers")
+        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv", "compose_routers",
+        "split_routers")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -61,6 +64,14 @@ def _split_options(options: dict) -> tuple[dict, dict]:
     opts = {**nested, **opts}
     own = {k: opts.pop(k) for k in _OWN if k in opts}
     return own, opts
+
+
+def _mask_stats(own: dict):
+    """What the cost model assumes of the masks: the option, else the given routers' target capacity (a graph
+    whose routers are traced in names none: the tuning table's paths, unless mask_stats is given)."""
+    if own.get("mask_stats") is None and own.get("routers") is not None:
+        return own["routers"].cfg.capacity
+    return own.get("mask_stats")
 
 
 def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
@@ -79,12 +90,13 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
 
         passes = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
                              fuse_norm_router=bool(own.get("fuse_norm_router")),
-                             sum_routers=bool(own.get("sum_routers")),
+                             sum_routers=bool(own.get("sum_routers", True)),
                              fuse_qkv=bool(own.get("fuse_qkv", True)),
-                             compose_routers=bool(own.get("compose_routers", True)))
+                             compose_routers=bool(own.get("compose_routers", True)),
+                             split_routers=bool(own.get("split_routers")))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
-                         kernel_path=own.get("kernel_path") or "auto", mask_stats=own.get("mask_stats"))
+                         kernel_path=own.get("kernel_path") or "auto", mask_stats=_mask_stats(own))
         if own.get("report") is not None:
             own["report"](ctx.report)
     counters()["compiled_graphs"] += 1

@@ -82,10 +82,10 @@ class BenchOptions:
     correlated_capacities: list[float] | None = None
     kernel_config: str | None = None
     attention: str = "sdpa"
-    sparse_attention: bool = False
+    sparse_attention: bool | str = "auto"
     kernel_path: str = "auto"
     fuse_norm_router: bool = False
-    sum_routers: bool = False
+    sum_routers: bool = True
     fuse_qkv: bool = True
     compose_routers: bool = True
     no_plot: bool = False
@@ -287,17 +287,20 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "explicit causal mask on torch < 2.14), or sdpa_unpadded: SDPA's causal kernel wherever "
                         "queries and keys have the same length (unpadded prefill), or gqa_decode: sdpa_unpadded "
                         "with decode through wide.attn_decode's kernel, every head on (e2e/attention.py)")
-    p.add_argument("--sparse-attention", action="store_true",
-                   help="WIDE's attention runs only the active head groups (optimize(..., sparse_attention=True)); "
-                        "without it the rows pass sparse_attention=False, whatever optimize's default")
+    p.add_argument("--sparse-attention", dest="sparse_attention", action="store_const", const=True, default="auto",
+                   help="WIDE's attention runs only the active head groups wherever the grouping allows it "
+                        "(optimize(..., sparse_attention=True)); default optimize's \"auto\" (every decode step, "
+                        "prefills of KV-aligned groups)")
+    p.add_argument("--dense-attention", dest="sparse_attention", action="store_const", const=False,
+                   help="WIDE's attention stays dense sdpa (optimize(..., sparse_attention=False))")
     p.add_argument("--kernel-path", default="auto", choices=("auto", "table", "dense", "compact"),
                    help="the path of each routed projection (optimize(..., kernel_path=)): the cost model's choice "
                         "per token count (auto), the tuning table's, or forced dense-masked / compact; the choice "
                         "per row is the table's path column")
     p.add_argument("--fuse-norm-router", action="store_true",
                    help="each block's RMSNorm and router in one launch (optimize(..., fuse_norm_router=True))")
-    p.add_argument("--sum-routers", action="store_true",
-                   help="decode-size routers as Inductor reductions (optimize(..., sum_routers=True))")
+    p.add_argument("--no-sum-routers", dest="sum_routers", action="store_false",
+                   help="decode-size routers as fp32 GEMMs, not Inductor reductions (optimize(..., sum_routers=False))")
     p.add_argument("--no-fuse-qkv", dest="fuse_qkv", action="store_false",
                    help="K / V as their own linears, not in q's launch (optimize(..., fuse_qkv=False))")
     p.add_argument("--no-compose-routers", dest="compose_routers", action="store_false",

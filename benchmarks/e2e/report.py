@@ -83,7 +83,7 @@ COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tok
         ("wide_eager_ms", "WIDE eager"), ("wide_paths", "WIDE path (cost model)"), ("wide_table_speedup", "speedup, table paths"),
         ("wide_fused_speedup", "speedup, fused norm+router"),
         ("wide_fused_dense_speedup", "speedup, fused + dense-masked"),
-        ("wide_summed_speedup", "speedup, summed routers"), ("wide_qkv_split_speedup", "speedup, K/V unfused"),
+        ("wide_gemm_routers_speedup", "speedup, GEMM routers"), ("wide_qkv_split_speedup", "speedup, K/V unfused"),
         ("wide_pair_routers_speedup", "speedup, pair routers uncomposed"),
         ("wide_sparse_attn_speedup", "speedup, sparse attention"), ("speedup", "speedup"),
         ("speedup_vs_graphed_default", "speedup vs Ind.+graph"),

@@ -15,11 +15,11 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
   wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
                 launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
-  wide_summed   wide with the decode-size routers as Inductor reductions (sum_routers=True)
+  wide_gemm_routers  wide with the decode-size routers as fp32 GEMMs (sum_routers=False): what summing them buys
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
   wide_pair_routers  wide with pair routers as their two layers (compose_routers=False): what composing them buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
-                (sparse_attention=True, also 1-head groups), beside wide's --sparse-attention setting
+                (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -131,6 +131,7 @@ def paths_summary(reports) -> str:
 REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers.summed", "summed routers"),
                   ("rewrite_attention.qkv_fused", "K/V in q's launch"),
                   ("compose_routers.composed", "composed pair routers"),
+                  ("compose_routers.split", "split-bf16 pair routers"),
                   ("rewrite_sdpa.decode", "sparse decode attention"),
                   ("rewrite_sdpa.prefill", "sparse prefill attention"))
 
@@ -155,14 +156,16 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
 
     own = {**({"kernel_config": kc} if kc else {})}
     if options.wide_entry == "optimize" or options.wide_backend == "wide":  # the project's backend's own options
-        # sparse_attention stated either way, so a row means the same whatever optimize's default is
+        # every option stated, so a row means the same whatever optimize's defaults are
         own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
                    fuse_norm_router=options.fuse_norm_router, sum_routers=options.sum_routers,
                    fuse_qkv=options.fuse_qkv, compose_routers=options.compose_routers,
-                   sparse_attention=bool(options.sparse_attention))
+                   sparse_attention=options.sparse_attention,
+                   split_routers=options.router_dtype == "bf16x2"
+                   and next(wide_model.parameters()).dtype == torch.bfloat16)
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
-    elif options.sparse_attention:
+    elif options.sparse_attention is True:  # another backend gets the option only when asked for
         own["sparse_attention"] = True
     if options.wide_entry == "optimize":
         import wide_compile as wc
@@ -221,8 +224,8 @@ def build_wide_fused(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, fuse_norm_router=True)
 
 
-def build_wide_summed(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, sum_routers=True)
+def build_wide_gemm_routers(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, sum_routers=False)
 
 
 def build_wide_qkv_split(w: "Workload", row: Row) -> Built:
@@ -253,7 +256,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("wide_table", "wide_table", "routers", build_wide_table, why_not=_wide_why_not),
     VariantSpec("wide_fused", "wide_fused", "routers", build_wide_fused, why_not=_wide_why_not),
     VariantSpec("wide_fused_dense", "wide_fused_dense", "routers", build_wide_fused_dense, why_not=_wide_why_not),
-    VariantSpec("wide_summed", "wide_summed", "routers", build_wide_summed, why_not=_wide_why_not),
+    VariantSpec("wide_gemm_routers", "wide_gemm_routers", "routers", build_wide_gemm_routers, why_not=_wide_why_not),
     VariantSpec("wide_qkv_split", "wide_qkv_split", "routers", build_wide_qkv_split, why_not=_wide_why_not),
     VariantSpec("wide_pair_routers", "wide_pair_routers", "routers", build_wide_pair_routers, why_not=_wide_why_not),
     VariantSpec("wide_sparse_attn", "wide_sparse_attn", "routers", build_wide_sparse_attn, why_not=_wide_why_not),
@@ -261,7 +264,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
 # timed only when --variants names them (each is one more WIDE compile per row)
-OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_summed", "wide_qkv_split", "wide_pair_routers",
+OPT_IN = ("wide_table", "wide_fused", "wide_fused_dense", "wide_gemm_routers", "wide_qkv_split", "wide_pair_routers",
           "wide_sparse_attn")
 # the order dense variants are built in (the reference first: it is re-built after a memory reset)
 DENSE_ORDER = ("inductor", "eager", "max_autotune", "inductor_cg", "trt")

@@ -34,33 +34,36 @@ def check_sparse_attention(value) -> None:
 
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False,
-                   sum_routers: bool = False, fuse_qkv: bool = True, compose_routers: bool = True) -> list[Pass]:
+                   sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
+                   split_routers: bool = False) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
-    only: wide.attn_decode / wide.attn_prefill): "auto" rewrites the blocks whose head groups are KV-aligned
-    (whole KV heads, so decode reads only the active groups' cache), True every block whose groups allow it
-    (also 1-head groups, where decode reads nearly every KV head at capacity 0.5), False none; what each choice
-    measured is in benchmarks/results/attention/README.md. `fuse_norm_router` adds fuse_norm_router (each
-    block's RMSNorm and router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
+    only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
+    prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
+    False none; what each choice measured is in benchmarks/results/lean-h100/README.md (fifth run) and
+    benchmarks/results/attention/README.md. `fuse_norm_router` adds fuse_norm_router (each block's RMSNorm and
+    router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
     (benchmarks/results/lean-h100/README.md). It runs after the rewrites: the earlier passes hold the mask nodes it
-    replaces. `sum_routers` adds sum_routers (opt-in until timed): the routers left unfused in graphs of decode size
-    as one Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default)
-    lets K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers`
-    (default) runs each pair router as the one linear map it is, after the rewrites and before the passes that
-    fuse or sum routers."""
+    replaces. `sum_routers` (default) adds sum_routers: the routers left unfused in graphs of decode size as one
+    Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default) lets
+    K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
+    runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
+    routers; with `split_routers` (optimize's router_dtype="bf16x2") a composed router of a bf16 graph of prefill
+    size runs on tensor cores over its weight as a bf16 pair."""
     check_sparse_attention(sparse_attention)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
               RewriteAttention(fuse_qkv=fuse_qkv)]
-    passes += [RewriteSDPA(kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
-    passes += [ComposeRouters()] if compose_routers else []
+    passes += [RewriteSDPA(prefill_kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
+    passes += [ComposeRouters(split=split_routers)] if compose_routers else []
     return passes + ([FuseNormRouter()] if fuse_norm_router else []) + ([SumRouters()] if sum_routers else [])
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = False,
-                 fuse_qkv: bool = True, compose_routers: bool = True):
+                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = True,
+                 fuse_qkv: bool = True, compose_routers: bool = True, split_routers: bool = False):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
-                                                                             sum_routers, fuse_qkv, compose_routers)
+                                                                             sum_routers, fuse_qkv, compose_routers,
+                                                                             split_routers)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
@@ -144,7 +147,8 @@ def _kernel_detail(b, plural: bool) -> str:
         parts.append(f"path{s}: " + ", ".join(str(d) for d in b.paths.values()))
     if b.router_forms:
         parts.append("router: " + ", ".join({"composed": "pair composed into one linear map",
-                                             "summed": "summed over the width"}[f] for f in b.router_forms))
+                                             "summed": "summed over the width",
+                                             "split": "on tensor cores over a bf16 pair"}[f] for f in b.router_forms))
     if b.router_fused:
         parts.append("norm + router: wide.rmsnorm_router")
     return "".join("; " + p for p in parts)

@@ -60,12 +60,15 @@ def _kv_heads_ok(Hq: int, Hkv: int, heads_per_group: int) -> str | None:
 
 
 class RewriteSDPA(Pass):
-    """kv_aligned_only (optimize's sparse_attention="auto"): only blocks whose head groups are whole KV heads
-    are rewritten; the others keep sdpa and the report says why."""
+    """prefill_kv_aligned_only (optimize's sparse_attention="auto"): a prefill's attention is rewritten only in
+    blocks whose head groups are whole KV heads; the others keep sdpa there and the report says why. Decode
+    steps are rewritten for every grouping the kernel takes: even where 1-head groups leave nearly every KV
+    head active, wide.attn_decode reads each KV head once where the dense graph first copies the cache per
+    query head (repeat_kv). The measured choice: benchmarks/results/lean-h100/README.md (fifth run)."""
     name = "rewrite_sdpa"
 
-    def __init__(self, kv_aligned_only: bool = False):
-        self.kv_aligned_only = kv_aligned_only
+    def __init__(self, prefill_kv_aligned_only: bool = False):
+        self.prefill_kv_aligned_only = prefill_kv_aligned_only
 
     def __call__(self, ctx: PassContext) -> None:
         order = node_index(ctx.gm)
@@ -102,10 +105,6 @@ class RewriteSDPA(Pass):
         if why:
             return why
         n_rep = Hq // ks[1]
-        if self.kv_aligned_only and hg % n_rep:
-            return (f"sparse_attention='auto' rewrites KV-aligned head groups only: groups of {hg} head(s), {n_rep} "
-                    "query heads per KV head, so a decode step would still read nearly every KV head "
-                    "(WideConfig(head_group_size='kv') aligns them; sparse_attention=True rewrites anyway)")
         if Tq == 1 and not causal:
             key_mask = None
             if mask is not None:
@@ -118,6 +117,11 @@ class RewriteSDPA(Pass):
                 new = ctx.weights.call(wide_attn_decode_nd, (q, k, v, a.mask, hg, key_mask, scale))
             kind = "decode"
         elif Tq > 1 and causal and mask is None and ks[2] == Tq:
+            if self.prefill_kv_aligned_only and hg % n_rep:
+                return (f"sparse_attention='auto' rewrites a prefill's attention for KV-aligned head groups only: "
+                        f"groups of {hg} head(s), {n_rep} query heads per KV head, where the dense causal kernel "
+                        "is faster (WideConfig(head_group_size='kv') aligns them; sparse_attention=True rewrites "
+                        "anyway)")
             with ctx.gm.graph.inserting_before(sd):
                 new = ctx.weights.call(wide_attn_prefill_nd, (q, k, v, a.mask, hg, scale))
             kind = "prefill"

@@ -1,5 +1,6 @@
-"""Pass 10 (opt-in: optimize(..., sum_routers=True)): at decode sizes, each unfused linear or pair router computes
-its logits as a multiply-and-sum over the width (router_fns.summed_linear_router_mask) instead of an fp32 GEMM.
+"""Pass 10 (default; optimize(..., sum_routers=False) turns it off): at decode sizes, each unfused linear or pair
+router computes its logits as a multiply-and-sum over the width (router_fns.summed_linear_router_mask) instead of
+an fp32 GEMM. Measured against the GEMM in the same rows: benchmarks/results/lean-h100/README.md (fifth run).
 
 At a few tokens an fp32 router GEMM runs on cuBLAS as a dot kernel and a reduce kernel, then Inductor's threshold
 kernel: three launches for a few kilobytes of weights, a visible share of a small model's decode step
