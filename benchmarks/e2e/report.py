@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .variants import VARIANTS
+
 GOALS = {  # DESIGN.md / issue 6, Llama-3.1-8B shape, capacity 0.5, batch 1
     "prefill": {"tokens": [2048], "speedup": 1.75, "within_static": 0.05},
     "decode": {"tokens": None, "speedup": 1.6, "within_static": 0.10},
@@ -80,12 +82,9 @@ COLS = [("model", "model"), ("layers", "L"), ("phase", "phase"), ("tokens", "tok
         ("capacity", "cap"), ("masks", "masks"), ("measured_capacity", "meas. cap"),
         ("eager_dense_ms", "eager"), ("dense_inductor_ms", "Inductor"), ("dense_max_autotune_ms", "max-autotune"),
         ("dense_inductor_cg_ms", "Ind.+graph"), ("trt_ms", "TRT"), ("static_ms", "static"), ("wide_ms", "WIDE"),
-        ("wide_eager_ms", "WIDE eager"), ("wide_paths", "WIDE path (cost model)"), ("wide_table_speedup", "speedup, table paths"),
-        ("wide_fused_speedup", "speedup, fused norm+router"),
-        ("wide_fused_dense_speedup", "speedup, fused + dense-masked"),
-        ("wide_gemm_routers_speedup", "speedup, GEMM routers"), ("wide_qkv_split_speedup", "speedup, K/V unfused"),
-        ("wide_pair_routers_speedup", "speedup, pair routers uncomposed"),
-        ("wide_sparse_attn_speedup", "speedup, sparse attention"), ("speedup", "speedup"),
+        ("wide_eager_ms", "WIDE eager"), ("wide_paths", "WIDE path (cost model)"),
+        *[(f"{spec.key}_speedup", spec.ab_column) for spec in VARIANTS.values() if spec.ab_column],
+        ("speedup", "speedup"),
         ("speedup_vs_graphed_default", "speedup vs Ind.+graph"),
         ("speedup_vs_best_dense", "speedup vs fastest dense"),
         ("static_speedup", "static speedup"),
