@@ -18,6 +18,9 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_gemm_routers  wide with the decode-size routers as fp32 GEMMs (sum_routers=False): what summing them buys
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
   wide_pair_routers  wide with pair routers as their two layers (compose_routers=False): what composing them buys
+  wide_split_routers  wide with composed pair routers on tensor cores in bf16 graphs of prefill size
+                (split_routers, as router_dtype="bf16x2" gives them; linear routers split only with --router-dtype
+                bf16x2 for the whole run, which splits their weights before any variant is built)
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -238,6 +241,10 @@ def build_wide_pair_routers(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, compose_routers=False)
 
 
+def build_wide_split_routers(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, router_dtype="bf16x2")
+
+
 def build_wide_sparse_attn(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, sparse_attention=True)
 
@@ -267,6 +274,8 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
                 ab_column="speedup, K/V unfused"),
     VariantSpec("wide_pair_routers", "wide_pair_routers", "routers", build_wide_pair_routers, why_not=_wide_why_not,
                 ab_column="speedup, pair routers uncomposed"),
+    VariantSpec("wide_split_routers", "wide_split_routers", "routers", build_wide_split_routers,
+                why_not=_wide_why_not, ab_column="speedup, split-bf16 routers"),
     VariantSpec("wide_sparse_attn", "wide_sparse_attn", "routers", build_wide_sparse_attn, why_not=_wide_why_not,
                 ab_column="speedup, sparse attention"),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
