@@ -52,7 +52,7 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
              runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS). Pair routers
              (the method's) are split once the pass has composed them, in graphs of prefill size
-             (passes/compose_routers.py).
+             (passes/split_routers.py).
     options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
              projection runs; default "auto", the cost model's pick per token count, "table" the tuning table's;
              mask_stats: what the cost model assumes of the masks, default the routers' target capacity;
@@ -87,7 +87,7 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             p = next(model.parameters(), None)
             if router_dtype == "bf16x2":
                 target.split_bf16_()
-                options["split_routers"] = True  # pair routers: the pass splits them once composed
+                options["split_routers"] = True  # the routers the pass makes linear (composed pairs) split too
             else:
                 if router_dtype == "model":
                     dt = p.dtype if p is not None else torch.float32

@@ -18,9 +18,8 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_gemm_routers  wide with the decode-size routers as fp32 GEMMs (sum_routers=False): what summing them buys
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
   wide_pair_routers  wide with pair routers as their two layers (compose_routers=False): what composing them buys
-  wide_split_routers  wide with composed pair routers on tensor cores in bf16 graphs of prefill size
-                (split_routers, as router_dtype="bf16x2" gives them; linear routers split only with --router-dtype
-                bf16x2 for the whole run, which splits their weights before any variant is built)
+  wide_split_routers  wide with the routers on tensor cores in bf16 graphs of prefill size (split_routers, the
+                pass optimize(..., router_dtype="bf16x2") adds)
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -136,7 +135,7 @@ def paths_summary(reports) -> str:
 REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers.summed", "summed routers"),
                   ("rewrite_attention.qkv_fused", "K/V in q's launch"),
                   ("compose_routers.composed", "composed pair routers"),
-                  ("compose_routers.split", "split-bf16 pair routers"),
+                  ("split_routers.split", "split-bf16 routers"),
                   ("rewrite_sdpa.decode", "sparse decode attention"),
                   ("rewrite_sdpa.prefill", "sparse prefill attention"))
 

@@ -276,6 +276,19 @@ class Weights:
         self._consts[key] = node
         return node
 
+    def drop_constant(self, node: fx.Node) -> bool:
+        """Erase a constant this object made, once nothing reads it, with its buffer; True if it went."""
+        key = next((k for k, v in self._consts.items() if v is node), None)
+        if key is None or node.users:
+            return False
+        del self._consts[key]
+        self.gm.graph.erase_node(node)
+        delattr(self.gm, node.target)
+        p2s = getattr(self.gm, "_param_name_to_source", None)
+        if isinstance(p2s, dict):
+            p2s.pop(node.target, None)
+        return True
+
     def transposed(self, t: torch.Tensor, name: str, before: fx.Node) -> fx.Node:
         """A constant holding t.T, contiguous (a weight re-laid out once, at compile time)."""
         return self.constant(("t", id(t)), name, lambda: t.detach().t().contiguous(), before=before)

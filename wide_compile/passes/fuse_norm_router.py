@@ -1,4 +1,4 @@
-"""Pass 9 (opt-in: optimize(..., fuse_norm_router=True)): fuse each rewritten block's RMSNorm and the router
+"""Pass 10 (opt-in: optimize(..., fuse_norm_router=True)): fuse each rewritten block's RMSNorm and the router
 that reads the same row into one wide.rmsnorm_router launch (kernels/norm_router.py).
 
 Per block (attention: the norm feeding q; MLP: the norm feeding gate/up) the pass matches
@@ -124,29 +124,25 @@ def match_router(mask):
     return (kind, h0, tuple(tensors), nodes + casts), ""
 
 
-def pair_as_linear(ctx: PassContext, tensors, at, split: bool = False) -> tuple | None:
+def pair_as_linear(ctx: PassContext, tensors, at) -> tuple | None:
     """Graph constants (W [G, D], c [G]) of a pair router's (w_down, b_down, w_up, b_up) composed into the one
     linear map it is (norm_router.compose_pair), made once at compile time and inserted before `at`; None where
-    the router's weights are not model parameters (a compile-time constant can only be made of those).
-    split: W as its bf16 pair [2G, D] (routers.split_bf16), the weight router_fns.split_router_mask reads."""
+    the router's weights are not model parameters (a compile-time constant can only be made of those)."""
     from ..kernels.norm_router import compose_pair  # the kernels import Triton: only when a pair router is composed
-    from ..routing.routers import split_bf16
 
     if not all(t is None or ctx.weights.is_static_weight(t) for t in tensors):
         return None
     real = [ctx.weights.tensor(t) if t is not None else None for t in tensors]
     key = tuple(id(t) for t in real)
     with torch.no_grad():
-        w, c = compose_pair(*real)
-        if split:
-            w = split_bf16(w)
-    return tuple(ctx.weights.constant(("pair_linear", split, i, key), name, lambda t=t: t, before=at)
-                 for i, (name, t) in enumerate(zip(("router_w2" if split else "router_w", "router_b"), (w, c))))
+        composed = compose_pair(*real)
+    return tuple(ctx.weights.constant(("pair_linear", i, key), name, lambda t=t: t, before=at)
+                 for i, (name, t) in enumerate(zip(("router_w", "router_b"), composed)))
 
 
 def unfused_routers(ctx: PassContext) -> list:
     """The rewritten blocks whose router is still a graph of its own (not a constant mask, not fused into its
-    norm): the routers compose_routers and sum_routers rewrite."""
+    norm): the routers compose_routers, split_routers and sum_routers rewrite."""
     return [b for b in (*ctx.attns, *ctx.mlps)
             if b.status == "rewritten" and b.mask is not None and b.mask.op != "get_attr" and not b.router_fused]
 

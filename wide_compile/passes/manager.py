@@ -25,6 +25,7 @@ from .match_buckets import MatchBuckets
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
+from .split_routers import SplitRouters
 from .sum_routers import SumRouters
 
 
@@ -47,13 +48,14 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default) lets
     K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
     runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
-    routers; with `split_routers` (optimize's router_dtype="bf16x2") a composed router of a bf16 graph of prefill
-    size runs on tensor cores over its weight as a bf16 pair."""
+    routers. `split_routers` (optimize's router_dtype="bf16x2") adds split_routers after it: in bf16 graphs of
+    prefill size each linear router (composed ones too) runs on tensor cores over its weight as a bf16 pair."""
     check_sparse_attention(sparse_attention)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
               RewriteAttention(fuse_qkv=fuse_qkv)]
     passes += [RewriteSDPA(prefill_kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
-    passes += [ComposeRouters(split=split_routers)] if compose_routers else []
+    passes += [ComposeRouters()] if compose_routers else []
+    passes += [SplitRouters()] if split_routers else []
     return passes + ([FuseNormRouter()] if fuse_norm_router else []) + ([SumRouters()] if sum_routers else [])
 
 

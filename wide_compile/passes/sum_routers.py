@@ -1,4 +1,4 @@
-"""Pass 10 (default; optimize(..., sum_routers=False) turns it off): at decode sizes, each unfused linear or pair
+"""Pass 11 (default; optimize(..., sum_routers=False) turns it off): at decode sizes, each unfused linear or pair
 router computes its logits as a multiply-and-sum over the width (router_fns.summed_linear_router_mask) instead of
 an fp32 GEMM. Measured against the GEMM in the same rows: benchmarks/results/lean-h100/README.md (fifth run).
 
