@@ -11,7 +11,7 @@ from wide_compile.kernels.tuning import DECODE_T
 from wide_compile.models import tiny_model
 from wide_compile.passes import PassManager, op_counts
 
-from test_passes_models import capture, run_logits
+from test_passes_models import attach_random_routers, capture, run_logits
 
 
 def _run(recipe, T, batch=1, hidden=0, **opts):
@@ -19,14 +19,7 @@ def _run(recipe, T, batch=1, hidden=0, **opts):
     compose_routers) for a tiny Llama with random routers of `recipe` (biases random too: a wrong composed bias
     must show), checked against eager."""
     model = tiny_model("llama")
-    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe=recipe,
-                        router_hidden=hidden)
-    routers = wc.Routers.init(model, cfg, seed=3)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in routers.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    wc.attach(model, routers)
+    attach_random_routers(model, recipe, hidden)
     ids = torch.randint(0, 128, (batch, T))
     (gm, ex), = capture(model, input_ids=ids)
     (gm0, ex0), = capture(model, input_ids=ids)

@@ -11,7 +11,7 @@ from wide_compile.kernels.tuning import DECODE_T
 from wide_compile.models import tiny_model
 from wide_compile.passes import PassManager, op_counts
 
-from test_passes_models import capture, run_logits
+from test_passes_models import attach_random_routers, capture, run_logits
 
 
 def _pair_tensors(D, R, G, seed):
@@ -49,13 +49,7 @@ def test_routers_split_in_bf16_graphs_of_prefill_size(recipe, T, dtype, split, o
     """Pair routers (composed first) and linear routers: split in a bf16 graph of more than DECODE_T tokens, left
     in smaller graphs (summed there), fp32 graphs and with the option off."""
     model = tiny_model("llama").to(dtype)
-    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe=recipe)
-    routers = wc.Routers.init(model, cfg, seed=3)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in routers.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    wc.attach(model, routers)
+    attach_random_routers(model, recipe)
     ids = torch.randint(0, 128, (1, T))
     (gm, ex), = capture(model, input_ids=ids)
     ctx = PassManager(split_routers=on).run(gm, ex)

@@ -10,19 +10,12 @@ from wide_compile.models import tiny_model
 from wide_compile.passes import PassManager, op_counts
 from wide_compile.routing import router_fns as fns
 
-from test_passes_models import capture, gptfast_pair, run_logits
+from test_passes_models import attach_random_routers, capture, gptfast_pair, run_logits
 
 
 def _run(recipe, T, hidden=0, fuse=False, batch=1, summed=True, compose=True):
     model = tiny_model("llama")
-    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe=recipe,
-                        router_hidden=hidden)
-    routers = wc.Routers.init(model, cfg, seed=3)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # biases too (they start at 0): the composed bias must be right
-        for p in routers.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    wc.attach(model, routers)
+    attach_random_routers(model, recipe, hidden)
     ids = torch.randint(0, 128, (batch, T))
     (gm, ex), = capture(model, input_ids=ids)
     with torch.no_grad():

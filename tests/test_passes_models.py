@@ -37,6 +37,20 @@ def capture(fn, *args, **kwargs):
     return graphs
 
 
+def attach_random_routers(model, recipe="linear", hidden=0, seed=3):
+    """Routers of `recipe` attached to `model` with every parameter random (biases too: they start at 0, so a rewrite
+    that drops or miscomputes one could not fail otherwise)."""
+    cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe=recipe,
+                        router_hidden=hidden)
+    routers = wc.Routers.init(model, cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in routers.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    wc.attach(model, routers)
+    return routers
+
+
 def run_logits(gm, ex, like):
     """Run a captured graph and pick the output that has the logits' shape."""
     with torch.no_grad():
