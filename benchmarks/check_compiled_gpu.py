@@ -17,7 +17,9 @@ Cases (each in its own process, so a crash or hang is recorded as that case's fa
                        kernel_path="auto"), so each block's residual add, norm and router run as
                        wide.add_rmsnorm_router and a batch-1 decode step runs the one-token GEMVs; its greedy
                        generate() is also compared at batch 1; mode "summed": the same routers with
-                       optimize(..., sum_routers=True), the decode-size routers as Inductor reductions): logits
+                       optimize(..., sum_routers=True), the decode-size routers as Inductor reductions; mode
+                       "split": the same routers with optimize(..., router_dtype="bf16x2"), the prefill graph's
+                       composed routers on tensor cores over a bf16 pair, passes/split_routers.py): logits
                        (constant masks: max relative error < 3e-2; live routers: >= 90 % of positions within
                        it, since bf16 can flip a decision that sits at 0), every layer rewritten into
                        torch.ops.wide.*, greedy generate() with a static cache (batch 2, left padding)
@@ -104,9 +106,9 @@ def _added(before: dict, key: str) -> int:
 def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     """mode: None, a torch.compile mode, or "sparse-attention" (KV-aligned head groups, optimize(...,
     sparse_attention=True): decode steps of generate() run wide.attn_decode over the active KV heads)."""
-    sparse, lean, summed = mode == "sparse-attention", mode == "lean", mode == "summed"
+    sparse, lean, summed, split = mode == "sparse-attention", mode == "lean", mode == "summed", mode == "split"
     cfg = wc.WideConfig(ffn_group_size=32, head_group_size="kv" if sparse else 1, router_init="random",
-                        **({"router_recipe": "wide"} if lean or summed else {}))
+                        **({"router_recipe": "wide"} if lean or summed or split else {}))
     if sparse:
         cfg = cfg.for_model(tiny_model(arch, seed=0))
     model = tiny_model(arch, seed=0).to(device=device, dtype=dtype)
@@ -116,7 +118,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     c0 = dict(counters())  # what this case's compiles add: counters() - c0, per key
     t0 = time.time()
     opts = {"sparse_attention": True} if sparse else {"fuse_norm_router": True, "kernel_path": "auto"} if lean else \
-        {"sum_routers": True, "kernel_path": "auto"} if summed else {} if mode is None else {"mode": mode}
+        {"sum_routers": True, "kernel_path": "auto"} if summed else {"router_dtype": "bf16x2"} if split else \
+        {} if mode is None else {"mode": mode}
     cm = wc.optimize(model, routers, **opts)
     res = {"arch": arch, "routers": kind, "mode": mode or "default"}
     with torch.no_grad():
@@ -151,6 +154,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
         res["sdpa_decode_rewritten"] = _added(c0, "rewrite_sdpa.decode")
     if summed:  # the decode-size graphs' routers ran as reductions
         res["routers_summed"] = _added(c0, "sum_routers.summed")
+    if split:  # the prefill graph's (composed) pair routers ran on tensor cores over a bf16 pair
+        res["routers_split"] = _added(c0, "split_routers.split")
     if lean:  # the residual adds went into the fused norms, and some graph ran the one-token GEMVs
         res["residual_adds_fused"] = _added(c0, "fuse_norm_router.residual_add")
         # one-token graphs hand the GEMVs the Linear's own reduction weight (a graph whose token count Dynamo
@@ -168,7 +173,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     res["ok"] = bool(close and res["generate_identical"] and res["mlp_rewritten"] > 0 and res["o_rewritten"] > 0
                      and (not sparse or res["sdpa_decode_rewritten"] > 0)
                      and (not lean or (res["residual_adds_fused"] > 0 and res["gemv_ops"] > 0))
-                     and (not summed or res["routers_summed"] > 0))
+                     and (not summed or res["routers_summed"] > 0)
+                     and (not split or res["routers_split"] > 0))
     res["wall_s"] = round(time.time() - t0, 1)
     return res
 
@@ -308,6 +314,7 @@ def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
         names += [f"tiny:{a}:constant:sparse-attention" for a in ("llama", "mistral", "qwen2")]
         names += [f"tiny:{a}:random:lean" for a in ("llama", "mistral", "qwen2")]
         names.append("tiny:llama:random:summed")
+        names.append("tiny:llama:random:split")
     if not quick:
         # greedy generate() identical: in fp32, where compiled and eager router decisions cannot drift apart
         # through bf16 rounding (in bf16 a decision that flips somewhere in a 30-layer model changes the

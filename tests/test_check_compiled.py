@@ -82,3 +82,12 @@ def test_check_tiny_summed_cpu():
     r = C.check_tiny("llama", "random", torch.device("cpu"), torch.float32, "summed")
     assert r["ok"], r
     assert r["routers_summed"] > 0 and r["generate_identical"]
+
+
+def test_check_tiny_split_cpu():
+    """The GPU check's split case on the CPU in bf16 (the split needs bf16 inputs): the prefill graph's composed
+    pair routers run over a bf16 pair (router_dtype="bf16x2"), logits within the check's tolerance, generate()
+    identical."""
+    r = C.check_tiny("llama", "random", torch.device("cpu"), torch.bfloat16, "split")
+    assert r["ok"], r
+    assert r["routers_split"] > 0 and r["generate_identical"]
