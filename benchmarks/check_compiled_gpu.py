@@ -19,7 +19,8 @@ Cases (each in its own process, so a crash or hang is recorded as that case's fa
                        generate() is also compared at batch 1; mode "summed": the same routers with
                        optimize(..., sum_routers=True), the decode-size routers as Inductor reductions; mode
                        "split": the same routers with optimize(..., router_dtype="bf16x2"), the prefill graph's
-                       composed routers on tensor cores over a bf16 pair, passes/split_routers.py): logits
+                       composed routers on tensor cores over a bf16 pair as by default in bf16,
+                       passes/split_routers.py): logits
                        (constant masks: max relative error < 3e-2; live routers: >= 90 % of positions within
                        it, since bf16 can flip a decision that sits at 0), every layer rewritten into
                        torch.ops.wide.*, greedy generate() with a static cache (batch 2, left padding)

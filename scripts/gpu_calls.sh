@@ -49,7 +49,7 @@
 #                          model's and the K / V fusion's kernel tests compiled on CUDA (the pytest wheels in .whl/),
 #                          then bench_e2e on the goal rows with WIDE several ways in the same interleaved rows (default:
 #                          optimize's defaults, wide, the cost model's choice per row in the path column; decode routers
-#                          as GEMMs, wide_gemm_routers; pair routers on tensor cores at prefill, wide_split_routers;
+#                          as GEMMs, wide_gemm_routers; prefill routers as fp32 GEMMs, wide_fp32_routers;
 #                          attention over the active heads at prefill too, wide_sparse_attn): 8B shape (LEAN_LAYERS,
 #                          default 8, layers) decode ctx 1024 x 1 / x 8 with a per-op profile (launches per step), and
 #                          the SmolLM2 shape with random weights and routers of the shipped form (decode ctx 1024 x 1
@@ -229,7 +229,7 @@ e2e() {
 }
 
 # the lean step's variants unless LEAN_VARIANTS says otherwise
-LEAN_DEFAULT_VARIANTS="inductor static wide wide_gemm_routers wide_split_routers wide_sparse_attn"
+LEAN_DEFAULT_VARIANTS="inductor static wide wide_gemm_routers wide_fp32_routers wide_sparse_attn"
 
 # the 4-layer runs time fewer, shorter rounds: each row's ratio still comes from one interleaved run
 SHORT=(--target-s 0.3 --rounds 3 --no-budget-split)

@@ -43,16 +43,16 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              into the dense traced graph by layer order (needs one full graph: fullgraph=True is implied).
              Without routers the model must already have routers attached: otherwise ValueError.
     dynamic / fullgraph: as in torch.compile (dynamic=None: automatic dynamic shapes after the first recompile).
-    router_dtype: None keeps the routers' dtype (fp32 as trained; on the GPU cuBLAS runs fp32 GEMMs without
-             tensor cores, a visible share of a prefill); "model" casts them (in place) to the model's dtype,
+    router_dtype: None keeps the routers' dtype (fp32 as trained). fp32 GEMMs run without tensor cores, a visible
+             share of a prefill, so in bf16 graphs of prefill size the pass runs each linear router (the
+             method's pair routers once composed) over its weight as a bf16 pair (passes/split_routers.py,
+             split_routers=False turns it off); "model" casts them (in place) to the model's dtype,
              or give a torch.dtype. Low-precision routers flip the decisions whose logit lies within rounding
              of 0 (how many: benchmarks/router_precision.py). The eager reference uses the same (cast) routers.
              "bf16x2" (bf16 models): keep the fp32 weights and run each linear router as one bf16 tensor-core
              GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
-             runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS). Pair routers
-             (the method's) are split once the pass has composed them, in graphs of prefill size
-             (passes/split_routers.py).
+             runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS).
     options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
              projection runs; default "auto", the cost model's pick per token count, "table" the tuning table's;
              mask_stats: what the cost model assumes of the masks, default the routers' target capacity;
@@ -60,7 +60,8 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              patches; sparse_attention="auto" | True | False: attention itself over the active head groups only,
              "auto" at every decode step and at prefills whose head groups are KV-aligned, see
              passes.manager.default_passes; fuse_qkv=False: K / V as their own linears; compose_routers=False:
-             pair routers as their two layers; sum_routers=False: decode-size routers as fp32 GEMMs).
+             pair routers as their two layers; sum_routers=False: decode-size routers as fp32 GEMMs;
+             split_routers=False: prefill-size routers as fp32 GEMMs).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
     concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed
     reduction weights), as Inductor's freezing
@@ -87,7 +88,6 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
             p = next(model.parameters(), None)
             if router_dtype == "bf16x2":
                 target.split_bf16_()
-                options["split_routers"] = True  # the routers the pass makes linear (composed pairs) split too
             else:
                 if router_dtype == "model":
                     dt = p.dtype if p is not None else torch.float32

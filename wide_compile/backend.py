@@ -27,9 +27,9 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    one Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); False keeps the GEMM
     compose_routers  True (default): each pair router runs as the one linear map it is, one fp32 GEMM where its two
                    layers ran two (passes/compose_routers.py); False keeps the two layers
-    split_routers  True (optimize's router_dtype="bf16x2"): in bf16 graphs of more than DECODE_T tokens each linear
-                   router (composed pair routers too) runs as one bf16 tensor-core GEMM over its weight as a bf16
-                   pair (passes/split_routers.py); default False
+    split_routers  True (default): in bf16 graphs of more than DECODE_T tokens each linear router (composed pair
+                   routers too) runs as one bf16 tensor-core GEMM over its weight as a bf16 pair
+                   (passes/split_routers.py); False keeps the fp32 GEMM
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears
@@ -94,7 +94,7 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
                              sum_routers=bool(own.get("sum_routers", True)),
                              fuse_qkv=bool(own.get("fuse_qkv", True)),
                              compose_routers=bool(own.get("compose_routers", True)),
-                             split_routers=bool(own.get("split_routers")))
+                             split_routers=bool(own.get("split_routers", True)))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=_mask_stats(own))

@@ -88,6 +88,7 @@ class BenchOptions:
     sum_routers: bool = True
     fuse_qkv: bool = True
     compose_routers: bool = True
+    split_routers: bool = True
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -305,6 +306,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="K / V as their own linears, not in q's launch (optimize(..., fuse_qkv=False))")
     p.add_argument("--no-compose-routers", dest="compose_routers", action="store_false",
                    help="pair routers as their two layers (optimize(..., compose_routers=False))")
+    p.add_argument("--no-split-routers", dest="split_routers", action="store_false",
+                   help="prefill-size routers as fp32 GEMMs, not over a bf16 pair (optimize(..., split_routers=False))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

@@ -18,8 +18,8 @@ VariantSpec), so adding a variant is one function and one entry.
   wide_gemm_routers  wide with the decode-size routers as fp32 GEMMs (sum_routers=False): what summing them buys
   wide_qkv_split  wide with K / V as their own linears (fuse_qkv=False): what running them in q's launch buys
   wide_pair_routers  wide with pair routers as their two layers (compose_routers=False): what composing them buys
-  wide_split_routers  wide with the routers on tensor cores in bf16 graphs of prefill size (split_routers, the
-                pass optimize(..., router_dtype="bf16x2") adds)
+  wide_fp32_routers  wide with the prefill-size routers as fp32 GEMMs (split_routers=False): what running them
+                over a bf16 pair on tensor cores buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -165,8 +165,7 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
                    fuse_norm_router=options.fuse_norm_router, sum_routers=options.sum_routers,
                    fuse_qkv=options.fuse_qkv, compose_routers=options.compose_routers,
                    sparse_attention=options.sparse_attention,
-                   split_routers=options.router_dtype == "bf16x2"
-                   and next(wide_model.parameters()).dtype == torch.bfloat16)
+                   split_routers=options.split_routers)
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
     elif options.sparse_attention is True:  # another backend gets the option only when asked for
@@ -240,8 +239,8 @@ def build_wide_pair_routers(w: "Workload", row: Row) -> Built:
     return build_wide(w, row, compose_routers=False)
 
 
-def build_wide_split_routers(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, router_dtype="bf16x2")
+def build_wide_fp32_routers(w: "Workload", row: Row) -> Built:
+    return build_wide(w, row, split_routers=False)
 
 
 def build_wide_sparse_attn(w: "Workload", row: Row) -> Built:
@@ -273,8 +272,8 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
                 ab_column="speedup, K/V unfused"),
     VariantSpec("wide_pair_routers", "wide_pair_routers", "routers", build_wide_pair_routers, why_not=_wide_why_not,
                 ab_column="speedup, pair routers uncomposed"),
-    VariantSpec("wide_split_routers", "wide_split_routers", "routers", build_wide_split_routers,
-                why_not=_wide_why_not, ab_column="speedup, split-bf16 routers"),
+    VariantSpec("wide_fp32_routers", "wide_fp32_routers", "routers", build_wide_fp32_routers,
+                why_not=_wide_why_not, ab_column="speedup, fp32 prefill routers"),
     VariantSpec("wide_sparse_attn", "wide_sparse_attn", "routers", build_wide_sparse_attn, why_not=_wide_why_not,
                 ab_column="speedup, sparse attention"),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),

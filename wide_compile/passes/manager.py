@@ -36,7 +36,7 @@ def check_sparse_attention(value) -> None:
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                   split_routers: bool = False) -> list[Pass]:
+                   split_routers: bool = True) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
@@ -48,8 +48,8 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default) lets
     K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
     runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
-    routers. `split_routers` (optimize's router_dtype="bf16x2") adds split_routers after it: in bf16 graphs of
-    prefill size each linear router (composed ones too) runs on tensor cores over its weight as a bf16 pair."""
+    routers. `split_routers` (default) adds split_routers after it: in bf16 graphs of prefill size each linear
+    router (composed ones too) runs on tensor cores over its weight as a bf16 pair."""
     check_sparse_attention(sparse_attention)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
               RewriteAttention(fuse_qkv=fuse_qkv)]
@@ -62,7 +62,7 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = True,
-                 fuse_qkv: bool = True, compose_routers: bool = True, split_routers: bool = False):
+                 fuse_qkv: bool = True, compose_routers: bool = True, split_routers: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
                                                                              split_routers)
