@@ -6,9 +6,8 @@ An fp32 router GEMM runs without tensor cores: at a prefill, cuBLAS runs it as S
 small model's step (benchmarks/results/lean-h100, the fifth run's prefill profile). router_fns.split_router_mask
 runs one bf16 GEMM h @ [hi; lo]^T with fp32 accumulation and output over the weight held as a bf16 pair
 (routers.split_bf16: about 16 mantissa bits), then hi + lo, the bias and the threshold. A product of two bf16
-values is exact in fp32, so with bf16 inputs the decisions are the fp32 ones up to rounding (0 of 2.0 M SmolLM2
-decisions flip: benchmarks/results/router-dtype/README.md, where the same GEMM form, router_dtype="bf16x2", was
-timed: 8B prefill 2048 1.09x -> 1.16x of dense Inductor, batch-8 decode 0.90x -> 0.94x in one call).
+values is exact in fp32, so with bf16 inputs the decisions are the fp32 ones up to rounding. How many flip, and
+what the same GEMM form (router_dtype="bf16x2") measured against fp32 routers: benchmarks/results/router-dtype/.
 
 Which blocks: a rewritten block whose router is unfused, linear (fuse_norm_router.match_router; float32 weights
 held in the graph) and reads a bf16 input, in a graph of more than DECODE_T tokens. Smaller graphs keep the fp32
