@@ -1,5 +1,5 @@
 """The timed variants of a row: one small builder each, in a registry (`VARIANTS`, --variants name ->
-VariantSpec), so adding a variant is one function and one entry.
+VariantSpec), so adding a variant is one function and one entry (an A/B form of wide: one `_wide_ab` entry).
 
   eager         the HF model, eager
   inductor      torch.compile default mode (prefill) / mode="reduce-overhead" CUDA graphs (decode):
@@ -38,6 +38,7 @@ may hold "_keep", an object kept alive with the variant. `scope` says when it is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Callable
 
 from .capabilities import trt_status, wide_backend_status
@@ -219,36 +220,11 @@ def _wide_why_not(w: "Workload") -> str | None:
     return wide_backend_status(w.options.wide_backend)
 
 
-def build_wide_table(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, kernel_path="table")
-
-
-def build_wide_fused(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, fuse_norm_router=True)
-
-
-def build_wide_gemm_routers(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, sum_routers=False)
-
-
-def build_wide_qkv_split(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, fuse_qkv=False)
-
-
-def build_wide_pair_routers(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, compose_routers=False)
-
-
-def build_wide_fp32_routers(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, split_routers=False)
-
-
-def build_wide_sparse_attn(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, sparse_attention=True)
-
-
-def build_wide_fused_dense(w: "Workload", row: Row) -> Built:
-    return build_wide(w, row, fuse_norm_router=True, kernel_path="dense")
+def _wide_ab(name: str, column: str, **overrides) -> VariantSpec:
+    """An A/B form of wide: wide built with `overrides` of the run's options (BenchOptions fields), timed in the
+    same rows, its speedup in the report's `column`."""
+    return VariantSpec(name, name, "routers", functools.partial(build_wide, **overrides), why_not=_wide_why_not,
+                       ab_column=column)
 
 
 VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
@@ -260,22 +236,14 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
                 applies=lambda w: w.phase == "decode", why_not=_cg_why_not),
     VariantSpec("static", "static", "capacity", build_static),
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
-    VariantSpec("wide_table", "wide_table", "routers", build_wide_table, why_not=_wide_why_not,
-                ab_column="speedup, table paths"),
-    VariantSpec("wide_fused", "wide_fused", "routers", build_wide_fused, why_not=_wide_why_not,
-                ab_column="speedup, fused norm+router"),
-    VariantSpec("wide_fused_dense", "wide_fused_dense", "routers", build_wide_fused_dense, why_not=_wide_why_not,
-                ab_column="speedup, fused + dense-masked"),
-    VariantSpec("wide_gemm_routers", "wide_gemm_routers", "routers", build_wide_gemm_routers, why_not=_wide_why_not,
-                ab_column="speedup, GEMM routers"),
-    VariantSpec("wide_qkv_split", "wide_qkv_split", "routers", build_wide_qkv_split, why_not=_wide_why_not,
-                ab_column="speedup, K/V unfused"),
-    VariantSpec("wide_pair_routers", "wide_pair_routers", "routers", build_wide_pair_routers, why_not=_wide_why_not,
-                ab_column="speedup, pair routers uncomposed"),
-    VariantSpec("wide_fp32_routers", "wide_fp32_routers", "routers", build_wide_fp32_routers,
-                why_not=_wide_why_not, ab_column="speedup, fp32 prefill routers"),
-    VariantSpec("wide_sparse_attn", "wide_sparse_attn", "routers", build_wide_sparse_attn, why_not=_wide_why_not,
-                ab_column="speedup, sparse attention"),
+    _wide_ab("wide_table", "speedup, table paths", kernel_path="table"),
+    _wide_ab("wide_fused", "speedup, fused norm+router", fuse_norm_router=True),
+    _wide_ab("wide_fused_dense", "speedup, fused + dense-masked", fuse_norm_router=True, kernel_path="dense"),
+    _wide_ab("wide_gemm_routers", "speedup, GEMM routers", sum_routers=False),
+    _wide_ab("wide_qkv_split", "speedup, K/V unfused", fuse_qkv=False),
+    _wide_ab("wide_pair_routers", "speedup, pair routers uncomposed", compose_routers=False),
+    _wide_ab("wide_fp32_routers", "speedup, fp32 prefill routers", split_routers=False),
+    _wide_ab("wide_sparse_attn", "speedup, sparse attention", sparse_attention=True),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}
