@@ -23,7 +23,8 @@ Variants, per token count T, all from one interleaved run:
   FFN masks, group g = recorded group g % G_rec (tiled to G), each token in its mask's bucket; their rows also
   carry the window's padding_factor and union_block_factor (benchmarks/bucket_padding.py) at the op's block_m.
   At T = 1 also: free_gemv (torch.ops.wide.mlp with the tuning's one_token="gemv": the same GEMVs on the free
-  op's w_down_t) and bucket_codebook_union (the union block, one_token="union").
+  op's w_down_t), free_gemv_view (the same on down_proj.weight through a transposed view: what a compiled
+  one-token graph passes) and bucket_codebook_union (the union block, one_token="union").
   --sweep adds bucket_codebook at each of bucket_mlp.SWEEP[phase], and at T = 1 free_gemv / bucket_codebook_gemv
   at each of gemv.GEMV_SWEEP (a candidate that fails is a row with its error).
 Each WIDE variant is checked against its PyTorch reference before timing (relative L2 <= 2e-2, bf16). Each
@@ -131,16 +132,20 @@ def variants_for(w: dict, shape: dict, args, dry: bool) -> tuple[dict, dict, lis
     fns["free"], meta["free"] = free, dict(capacity=fcap, rel_l2=rel(free(), ref))
     T = len(w["x"])
     if T == 1:  # the free op on the one-token GEMVs (the tuning's one_token="gemv"), at each swept tile
-        gemv = [("free_gemv", {})]
+        # free_gemv reads the op's transposed down copy; free_gemv_view reads down_proj.weight itself through a
+        # transposed view, the form a compiled one-token graph passes (passes/base.reduction_weight)
+        gemv = [("free_gemv", {}, "wd_t"), ("free_gemv_view", {}, "wd_view")]
         if args.sweep:
-            gemv += [(f"free_gemv_{i}", c) for i, c in enumerate(GV.GEMV_SWEEP["d_contiguous"])]
-        for name, c in gemv:
+            gemv += [(f"free_gemv_{i}", c, "wd_t") for i, c in enumerate(GV.GEMV_SWEEP["d_contiguous"])]
+        for name, c, wkey in gemv:
             over = dict(one_token="gemv", **c)
-            def fn(o=over, tj=table_for().with_overrides(decode=over).to_json()):
+            wdt = w["wd"].t() if wkey == "wd_view" else w["wd_t"]  # [F, D] either way
+
+            def fn(o=over, tj=table_for().with_overrides(decode=over).to_json(), wdt=wdt):
                 if dry:
-                    return mlp_triton(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs, config=o)
-                return torch.ops.wide.mlp(w["x"], w["wg"], w["wu"], w["wd_t"], w["free_mask"], gs, tj, "silu")
-            fns[name], meta[name] = fn, dict(capacity=fcap, rel_l2=rel(fn(), ref), config=over)
+                    return mlp_triton(w["x"], w["wg"], w["wu"], wdt, w["free_mask"], gs, config=o)
+                return torch.ops.wide.mlp(w["x"], w["wg"], w["wu"], wdt, w["free_mask"], gs, tj, "silu")
+            fns[name], meta[name] = fn, dict(capacity=fcap, rel_l2=rel(fn(), ref), config=over, down_weight=wkey)
     cands = [("bucket_codebook", "codebook", None), ("bucket_nested", "nested", None)]
     if T == 1:  # one token: the GEMVs by default; the union block (one_token="union") and the GEMV tiles
         cands += [("bucket_codebook_union", "codebook", dict(one_token="union"))]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 VARIANTS = ("dense", "static", "free", "bucket_codebook", "bucket_nested")
-ONE_TOKEN = ("dense", "static", "free", "free_gemv", "bucket_codebook", "bucket_nested", "bucket_codebook_union")
+ONE_TOKEN = ("dense", "static", "free", "free_gemv", "free_gemv_view", "bucket_codebook", "bucket_nested", "bucket_codebook_union")
 
 
 def test_dry_run_writes_checked_rows(tmp_path):
@@ -65,8 +65,8 @@ def test_sweep_rows_and_nested_prototypes(tmp_path, warmup_timing):
     data = bench_bucket_mlp.main(["--dry-run", "--sweep", "--ts", "1", "--out", str(tmp_path)])
     names = [r["variant"] for r in data["rows"]]
     sw = gemv.GEMV_SWEEP
-    assert names == (list(ONE_TOKEN[:4]) + [f"free_gemv_{i}" for i in range(len(sw["d_contiguous"]))]
-                     + list(ONE_TOKEN[4:]) + [f"bucket_codebook_gemv_{i}" for i in range(len(sw["k_contiguous"]))])
+    assert names == (list(ONE_TOKEN[:5]) + [f"free_gemv_{i}" for i in range(len(sw["d_contiguous"]))]
+                     + list(ONE_TOKEN[5:]) + [f"bucket_codebook_gemv_{i}" for i in range(len(sw["k_contiguous"]))])
     assert all(r["rel_l2"] <= bench_bucket_mlp.TOL for r in data["rows"] if "rel_l2" in r)
     protos = bench_bucket_mlp.nested_protos(16, 224)
     assert protos.float().mean().item() == 0.5                           # mean width G / 2
