@@ -1,5 +1,6 @@
 """rewrite_attention's K / V fusion: where q's path at the graph's token count is the one-token GEMV or the
-dense-masked GEMM (QKV_PATHS), q, K and V run as one wide.q_proj over [q; k; v] with K / V's groups always on.
+dense-masked GEMM (QKV_PATHS), q, K and V run in one launch over [q; k; v]: wide.q_proj with K / V's groups always
+on (GEMV), or, on the dense path, where q needs no mask (o's input mask routes the block), one plain linear.
 The graph loses the K / V linears and its logits stay the eager reference's (fp32: 1e-5; float64: 1e-12); tile
 paths, fused qkv linears and fuse_qkv=False keep K / V as their own linears. The kernel itself (the one-token GEMV
 over the concatenated weight, K / V's groups on) is checked against a float64 oracle under the interpreter."""
@@ -36,10 +37,13 @@ def _run(arch="llama", batch=1, T=1, kernel_path="auto", dtype=torch.float32, fu
 @pytest.mark.parametrize("batch,T,path", [(1, 1, "gemv"), (2, 3, "dense_masked")])
 def test_k_and_v_join_q_on_the_gemv_and_dense_masked_paths(arch, batch, T, path):
     """Every architecture (qwen2: q / k / v biases; smollm2: 3 q heads per KV head, odd head count): K and V
-    leave the graph, q, o, gate, up, down become wide ops (7 linears fewer per layer)."""
+    leave the graph, o, gate, up, down become wide ops, and q one too on the GEMV (7 linears fewer per layer); on
+    the dense path q, K and V are one unmasked linear (6 fewer)."""
     ctx, removed, L = _run(arch, batch, T, kernel_path="auto" if path == "gemv" else "dense")
     assert ctx.report.counts[f"cost_model.q.{path}"] == L
-    assert ctx.report.counts["rewrite_attention.qkv_fused"] == L and removed == 7 * L
+    unmasked = path == "dense_masked"
+    assert ctx.report.counts["rewrite_attention.q_unmasked"] == (L if unmasked else 0)
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == L and removed == (6 if unmasked else 7) * L
     assert all(a.kv_fused for a in ctx.attns) and all(d["kv_fused"] for d in ctx.report.attn)
     assert all("K/V dense (in q's launch)" in d["detail"] for d in ctx.report.attn)
 

@@ -213,10 +213,11 @@ def test_op_counts_per_pass_hf_attached(arch):
     assert after_mlp["silu"] == 0
     RewriteAttention()(ctx)
     after = wide_op_count(gm)
-    assert after["wide_q_proj_nd"] == L and after["wide_o_proj_nd"] == L
-    # 10 tokens: q runs dense-masked (the tuning table's path), and k, v join q's launch (QKV_PATHS)
-    assert ctx.report.counts["rewrite_attention.qkv_fused"] == L
-    assert after["linear"] == before["linear"] - 7 * L  # routers, lm_head stay linears
+    # 10 tokens: q's path is the dense one (the tuning table's), where q runs unmasked (o's input mask routes the
+    # block) and k, v join its linear (QKV_PATHS)
+    assert after["wide_q_proj_nd"] == 0 and after["wide_o_proj_nd"] == L
+    assert ctx.report.counts["rewrite_attention.qkv_fused"] == L == ctx.report.counts["rewrite_attention.q_unmasked"]
+    assert after["linear"] == before["linear"] - 6 * L  # routers, lm_head stay linears
     # the traced mask multiplies are gone
     assert op_counts(gm)[".unflatten"] == 0
 
@@ -387,7 +388,8 @@ def test_kernel_tuning_reaches_the_rewritten_ops():
     tuning = table_for().with_overrides(decode={"lists": "none"}).to_json()
     PassManager().run(gm, ex, kernel_tuning=tuning)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__.startswith("wide_")]
-    assert len(calls) == 6 and all(tuning in n.args for n in calls)
+    # o, mlp per layer (q is on the dense path at 10 tokens: an unmasked linear)
+    assert len(calls) == 4 and all(tuning in n.args for n in calls)
 
 
 def test_dense_graph_block_that_cannot_be_rewritten_keeps_its_routing():

@@ -101,10 +101,13 @@ class RewriteAttention(Pass):
                 kv = _kv_to_fuse(ctx, a, order, bucket) if self.fuse_qkv else None
                 with ctx.gm.graph.inserting_before(min([a.q, *(kv or [])], key=order.__getitem__)):
                     new_q = _bucket_q(ctx, a, nq, kv) if bucket else _free_mask_q(ctx, a, wo, nq, kv)
-                a.q.replace_all_uses_with(new_q)
-                erase_unused(ctx.gm, [a.q, *(kv if a.kv_fused else [])])
-                if q_rows is not None and not _split_fused_kv(ctx, a):
-                    a.q_reason = "fused qkv: its q columns are computed again in the fused linear"
+                if new_q is None:  # q stays the model's own linear (see _free_mask_q)
+                    a.q_reason = "q unmasked: on the dense path o_proj's input mask alone routes the block"
+                else:
+                    a.q.replace_all_uses_with(new_q)
+                    erase_unused(ctx.gm, [a.q, *(kv if a.kv_fused else [])])
+                    if q_rows is not None and not _split_fused_kv(ctx, a):
+                        a.q_reason = "fused qkv: its q columns are computed again in the fused linear"
                 ctx.count("rewrite_attention.q_rewritten")
             a.status = "rewritten"
             log.info("wide: layer %d: attention -> wide.%s%s (%d head groups of %d columns), K/V dense%s",
@@ -136,10 +139,21 @@ def _free_mask_o(ctx: PassContext, a: AttnMatch, wo, bo, nq):
 
 def _free_mask_q(ctx: PassContext, a: AttnMatch, wo, nq, kv=None):
     """wide.q_proj on q's weight; or, given kv (K / V's linears) and a q path in QKV_PATHS, on [q; k; v] with
-    K / V's groups always on: q is then its first nq columns and each of kv is replaced by its own columns."""
+    K / V's groups always on: q is then its first nq columns and each of kv is replaced by its own columns. On the
+    dense path at a static token count q is not masked: a plain linear over [q; k; v] (given kv), else None."""
     W = ctx.weights
     wq, bq = weight_rows(ctx, a.q_src)
     tuning, a.paths["q"] = ctx.op_tuning("q", a.x, W.tensor(wo).shape[0], nq, a.group_size)
+    if a.paths["q"].T is not None and a.paths["q"].path == "dense_masked":
+        # The dense path would compute every q column and then zero the inactive groups'. o_proj reads its input
+        # through the same mask, so what an inactive group's q gives attention never reaches the block's output
+        # (attention keeps heads apart; K / V do not depend on q): q runs unmasked, one mask launch fewer, and
+        # K / V stay in its launch. None: q's own linear is kept as it is.
+        a.ops["q"] = "linear"
+        ctx.count("rewrite_attention.q_unmasked")
+        if not kv:
+            return None
+        return _qkv(ctx, a, kv, nq, lambda w, b: W.call(torch.nn.functional.linear, (a.x, w, b)))
     a.ops["q"] = "q_proj"
     if not kv or a.paths["q"].T is None or a.paths["q"].path not in QKV_PATHS:
         new = W.call(wide_q_proj_nd, (a.x, wq, bq, a.mask, a.group_size, tuning))
