@@ -461,7 +461,13 @@ VARIANTS = {
        # themselves, alone and with the wide K-skip tiles
        + [dict(lists="none"), dict(lists="none", dn_bn=128, dn_split=32, dn_bk=32, dn_warps=4),
           dict(lists="none", dn_bn=256, dn_split=64, dn_bk=32, dn_warps=8)],
-    2048: [dict(path=p, up_bm=bm) for p in ("sorted", "tile") for bm in (64, 128)],
+    # the token-sorted gather's tiles (gate / up and q at prefill run it: the largest WIDE kernel of the 8B prefill
+    # profile), then the super-block width of its group swizzle
+    2048: [dict(path=p, up_bm=bm) for p in ("sorted", "tile") for bm in (64, 128)]
+          + [dict(path="sorted", up_bm=bm, up_bk=bk, up_warps=w, up_stages=st)
+             for (bm, bk, w, st) in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 5), (128, 128, 8, 3),
+                                     (64, 64, 4, 4), (64, 128, 4, 3)]]
+          + [dict(path="sorted", group_g=g) for g in (4, 64)],
     8192: [dict(group_g=g) for g in (4, 64)] + [dict(group_m=g) for g in (4, 16)]
           + [dict(up_bk=bk, up_warps=w, up_stages=st) for (bk, w, st) in [(64, 8, 4), (128, 8, 3), (32, 4, 5)]]
           + [dict(dn_bm=bm, dn_bn=bn, dn_warps=w, dn_stages=st)

@@ -29,6 +29,8 @@
 #   check_smollm2          needs setup: the same on the real SmolLM2 (fp32 greedy generate, bf16 replayed masks)
 #   kernels                the kernel table: random, router-fitted and recorded trained-router masks
 #   kernels_sweep          kernel config sweeps (few-token tiles) at density 0.5
+#   kernels_prefill_sweep  the prefill tile sweep (T = 2048 / 8192, 8B MLP, density 0.5); $OUT/tuning-table.json is
+#                          the table with each swept T's fastest config (to commit as kernels/configs/<GPU name>.json)
 #   kernels_compiled       the few-token kernel rows with every op compiled by Inductor
 #   e2e_quick              bench_e2e --quick: 8B shape at 8 layers, the goal workloads
 #   e2e_goals              the goal rows (8B shape, 32 layers, capacity 0.5, batch 1) with a per-op profile;
@@ -347,6 +349,11 @@ step() {
     timeout 250 python3 benchmarks/bench_kernels.py --quick --variants --variant-ts 1 --masks random fitted \
       --time-budget-s 60 --out "$OUT/kernels-sweep-h200.json" > "$OUT/kernels-sweep.log" 2>&1
     tail -30 "$OUT/kernels-sweep.log" ;;
+  kernels_prefill_sweep)  # the prefill tiles (T = 2048, 8192) swept on the 8B MLP, the fastest written as this GPU's table
+    timeout ${KPS_TIMEOUT:-400} python3 benchmarks/bench_kernels.py --quick --variants --variant-ts 2048 8192 --ts 2048 8192 \
+      --masks random --time-budget-s $(( ${KPS_TIMEOUT:-400} - 80 )) --write-config "$OUT/tuning-table.json" \
+      --out "$OUT/kernels-prefill-sweep.json" > "$OUT/kernels-prefill-sweep.log" 2>&1
+    tail -30 "$OUT/kernels-prefill-sweep.log" ;;
   kernels_compiled)
     timeout ${KC_TIMEOUT:-240} python3 benchmarks/bench_kernels.py --quick --masks random --ts 1 4 16 --compiled \
       --time-budget-s $(( ${KC_TIMEOUT:-240} - 60 )) --out "$OUT/kernels-compiled-h200.json" > "$OUT/kernels-compiled.log" 2>&1
