@@ -1,4 +1,5 @@
-"""The fused residual add + RMSNorm + router (kernels/norm_router.py) beside what it replaces, at decode sizes.
+"""The fused residual add + RMSNorm + router (kernels/norm_router.py) beside what it replaces, at decode and prefill
+sizes.
 
     python benchmarks/bench_norm_router.py --out DIR
     python benchmarks/bench_norm_router.py --out DIR --dry-run    # tiny shapes, CPU, Triton interpreter
@@ -10,6 +11,11 @@ captured 20 times in one CUDA graph and timed per call (bench_gemv.timed: median
   norm+router   the same plus the linear router's logits > 0 in fp32, compiled by Inductor: WIDE unfused
   fused S=k     wide.add_rmsnorm_router (one launch) with k programs per token row, each computing a slice of
                 the router's rows over the whole width; "default" marks row_splits' choice
+  from T = TILE_MIN_T (prefill sizes), instead of the row splits:
+  norm+split router  the norm compiled by Inductor, then the router as split_routers runs it by default (one bf16
+                tensor-core GEMM over the weight as a bf16 pair, fp32 output, the threshold): WIDE unfused
+  fused rows    the fused kernel, one program per token row
+  fused tiles   the fused kernel's tiles form (rows in tiles, the router's dots on tensor cores): its default here
 
 Writes DIR/norm-router.json and DIR/norm-router.md (command, GPU, date). --dry-run runs every row once on the CPU
 through the interpreter and checks the fused outputs against the reference: a check that the script runs, not a
@@ -37,7 +43,7 @@ SPLITS = (1, 2, 3, 4, 8, 16, 32, 64, 112)
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 2048])
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -46,6 +52,8 @@ def main(argv=None):
 
     from bench_gemv import timed
     from wide_compile.kernels import norm_router as NR
+    from wide_compile.routing import router_fns as fns
+    from wide_compile.routing.routers import split_bf16
 
     dev = "cpu" if args.dry_run else "cuda"
     dt = torch.float32 if args.dry_run else torch.bfloat16
@@ -66,25 +74,40 @@ def main(argv=None):
             x, y = dense(a, b)
             return x, y, torch.nn.functional.linear(y.float(), w1, b1) > 0
 
-        compiled = {"norm": dense, "norm+router": unfused} if args.dry_run else \
-            {"norm": torch.compile(dense), "norm+router": torch.compile(unfused)}
+        w_split = split_bf16(w1)
+
+        def unfused_split(a, b):
+            x, y = dense(a, b)
+            return x, y, fns.split_router_mask(y, w_split, b1)
+
+        compiled = {"norm": dense, "norm+router": unfused, "norm+split router": unfused_split}
+        if not args.dry_run:
+            compiled = {k: torch.compile(f) for k, f in compiled.items()}
         for T in args.tokens:
             a = torch.randn(T, D, generator=gen).to(dt).to(dev)
             b = torch.randn(T, D, generator=gen).to(dt).to(dev)
-            default = NR.row_splits(T, D, G)[0]
-            cases = [(k, (lambda f=f: f(a, b))) for k, f in compiled.items()]
-            for s in sorted({NR.row_splits(T, D, G, k)[0] for k in SPLITS if k <= G} | {default}):  # programs run
-                cases.append((f"fused S={s}", lambda s=s: NR.add_rmsnorm_router_triton(a, b, w_norm, eps, "normed",
-                                                                                       "linear", w1, b1, split=s)))
+            prefill = T >= NR.TILE_MIN_T
+            cases = [(k, (lambda f=f: f(a, b))) for k, f in compiled.items() if prefill or k != "norm+split router"]
+            if prefill:
+                default = "fused tiles"
+                fused = {"fused rows": dict(tiles=False), "fused tiles": dict(tiles=True)}
+            else:
+                s0 = NR.row_splits(T, D, G)[0]
+                default = f"fused S={s0}"
+                fused = {f"fused S={s}": dict(split=s)  # the programs per row the row splits run
+                         for s in sorted({NR.row_splits(T, D, G, k)[0] for k in SPLITS if k <= G} | {s0})}
+            for label, kw in fused.items():
+                cases.append((label, lambda kw=kw: NR.add_rmsnorm_router_triton(a, b, w_norm, eps, "normed",
+                                                                                "linear", w1, b1, **kw)))
                 if args.dry_run:
                     x, y, m = cases[-1][1]()
                     xr, yr, mr = NR.add_rmsnorm_router_ref(a, b, w_norm, eps, "normed", "linear", w1, b1)
                     assert torch.allclose(y, yr, atol=1e-5) and torch.equal(x, xr) and torch.equal(m, mr), name
             for label, fn in cases:
                 ms = timed(fn, args.dry_run)
-                is_default = label == f"fused S={default}"
+                is_default = label == default
                 rows.append(dict(shape=name, D=D, G=G, T=T, variant=label, default=is_default, us=round(ms * 1e3, 2)))
-                print(f"{name:40s} T={T:3d} {label:14s}{' (default)' if is_default else '':10s} {ms * 1e3:8.2f} us",
+                print(f"{name:40s} T={T:4d} {label:18s}{' (default)' if is_default else '':10s} {ms * 1e3:8.2f} us",
                       flush=True)
     write(args, rows, torch)
     return rows
@@ -98,7 +121,7 @@ def write(args, rows, torch):
                 torch=torch.__version__)
     with open(os.path.join(args.out, "norm-router.json"), "w") as f:
         json.dump(dict(info, rows=rows), f, indent=1)
-    lines = [f"# Fused add + RMSNorm + router at decode sizes ({gpu})", "", f"`{info['command']}`, {info['date']}, "
+    lines = [f"# Fused add + RMSNorm + router at decode and prefill sizes ({gpu})", "", f"`{info['command']}`, {info['date']}, "
              f"torch {info['torch']}. Median us per call, 20 calls per CUDA graph.", "",
              "| shape | T | variant | us |", "|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['T']} | {r['variant']}{' (default)' if r['default'] else ''} | {r['us']} |"

@@ -20,7 +20,9 @@ Cases (each in its own process, so a crash or hang is recorded as that case's fa
                        optimize(..., sum_routers=True), the decode-size routers as Inductor reductions; mode
                        "split": the same routers with optimize(..., router_dtype="bf16x2"), the prefill graph's
                        composed routers on tensor cores over a bf16 pair as by default in bf16,
-                       passes/split_routers.py): logits
+                       passes/split_routers.py); mode "fused-prefill": the same routers with
+                       optimize(..., fuse_norm_router="prefill") on 2 x 80 tokens, so the prefill graph's norms and
+                       routers run as the fused kernel's tensor-core tiles and decode steps keep summed routers): logits
                        (constant masks: max relative error < 3e-2; live routers: >= 90 % of positions within
                        it, since bf16 can flip a decision that sits at 0), every layer rewritten into
                        torch.ops.wide.*, greedy generate() with a static cache (batch 2, left padding)
@@ -108,8 +110,9 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     """mode: None, a torch.compile mode, or "sparse-attention" (KV-aligned head groups, optimize(...,
     sparse_attention=True): decode steps of generate() run wide.attn_decode over the active KV heads)."""
     sparse, lean, summed, split = mode == "sparse-attention", mode == "lean", mode == "summed", mode == "split"
+    fused_prefill = mode == "fused-prefill"
     cfg = wc.WideConfig(ffn_group_size=32, head_group_size="kv" if sparse else 1, router_init="random",
-                        **({"router_recipe": "wide"} if lean or summed or split else {}))
+                        **({"router_recipe": "wide"} if lean or summed or split or fused_prefill else {}))
     if sparse:
         cfg = cfg.for_model(tiny_model(arch, seed=0))
     model = tiny_model(arch, seed=0).to(device=device, dtype=dtype)
@@ -120,11 +123,12 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     t0 = time.time()
     opts = {"sparse_attention": True} if sparse else {"fuse_norm_router": True, "kernel_path": "auto"} if lean else \
         {"sum_routers": True, "kernel_path": "auto"} if summed else {"router_dtype": "bf16x2"} if split else \
-        {} if mode is None else {"mode": mode}
+        {"fuse_norm_router": "prefill"} if fused_prefill else {} if mode is None else {"mode": mode}
     cm = wc.optimize(model, routers, **opts)
     res = {"arch": arch, "routers": kind, "mode": mode or "default"}
     with torch.no_grad():
-        ids = torch.randint(1, 128, (2, 24), device=device)
+        # fused-prefill: 160 rows, past the fused kernel's TILE_MIN_T (its tiles form)
+        ids = torch.randint(1, 128, (2, 80 if fused_prefill else 24), device=device)
         rel, agree, rows_ok = compare_logits(cm(input_ids=ids, use_cache=False).logits,
                                              ref(input_ids=ids, use_cache=False).logits, tol)
         res.update(logits_rel_err=rel, argmax_agree=agree, rows_within_tol=rows_ok,
@@ -157,6 +161,9 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
         res["routers_summed"] = _added(c0, "sum_routers.summed")
     if split:  # the prefill graph's (composed) pair routers ran on tensor cores over a bf16 pair
         res["routers_split"] = _added(c0, "split_routers.split")
+    if fused_prefill:  # the prefill graphs' norms and routers fused, the decode steps' summed
+        res["routers_fused"] = _added(c0, "fuse_norm_router.fused")
+        res["routers_summed"] = _added(c0, "sum_routers.summed")
     if lean:  # the residual adds went into the fused norms, and some graph ran the one-token GEMVs
         res["residual_adds_fused"] = _added(c0, "fuse_norm_router.residual_add")
         # one-token graphs hand the GEMVs the Linear's own reduction weight (a graph whose token count Dynamo
@@ -175,7 +182,8 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
                      and (not sparse or res["sdpa_decode_rewritten"] > 0)
                      and (not lean or (res["residual_adds_fused"] > 0 and res["gemv_ops"] > 0))
                      and (not summed or res["routers_summed"] > 0)
-                     and (not split or res["routers_split"] > 0))
+                     and (not split or res["routers_split"] > 0)
+                     and (not fused_prefill or (res["routers_fused"] > 0 and res["routers_summed"] > 0)))
     res["wall_s"] = round(time.time() - t0, 1)
     return res
 
@@ -316,6 +324,7 @@ def case_names(device, quick: bool, smollm2_first: bool) -> list[str]:
         names += [f"tiny:{a}:random:lean" for a in ("llama", "mistral", "qwen2")]
         names.append("tiny:llama:random:summed")
         names.append("tiny:llama:random:split")
+        names.append("tiny:llama:random:fused-prefill")
     if not quick:
         # greedy generate() identical: in fp32, where compiled and eager router decisions cannot drift apart
         # through bf16 rounding (in bf16 a decision that flips somewhere in a 30-layer model changes the

@@ -10,11 +10,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 def test_dry_run_writes_every_split(tmp_path):
     import bench_norm_router
 
-    rows = bench_norm_router.main(["--dry-run", "--out", str(tmp_path), "--tokens", "1", "3"])
+    rows = bench_norm_router.main(["--dry-run", "--out", str(tmp_path), "--tokens", "1", "3", "130"])
     data = json.loads((tmp_path / "norm-router.json").read_text())
     assert data["rows"] == rows and "bench_norm_router.py" in data["command"]
     for T in (1, 3):
         got = [r["variant"] for r in rows if r["T"] == T]
         assert got == ["norm", "norm+router", "fused S=1", "fused S=2", "fused S=3"]
         assert sum(r["default"] for r in rows if r["T"] == T) == 1
+    # a prefill size: the unfused split router, the fused kernel's rows and tiles forms (the tiles its default)
+    got = [r["variant"] for r in rows if r["T"] == 130]
+    assert got == ["norm", "norm+router", "norm+split router", "fused rows", "fused tiles"]
+    assert [r["variant"] for r in rows if r["T"] == 130 and r["default"]] == ["fused tiles"]
     assert "| tiny | 3 | fused S=3" in (tmp_path / "norm-router.md").read_text()

@@ -91,3 +91,11 @@ def test_check_tiny_split_cpu():
     r = C.check_tiny("llama", "random", torch.device("cpu"), torch.bfloat16, "split")
     assert r["ok"], r
     assert r["routers_split"] > 0 and r["generate_identical"]
+
+
+def test_check_tiny_fused_prefill_cpu():
+    """The GPU check's fused-prefill case on the CPU (the fused op's reference body): the prefill graphs' norms and
+    routers fused, the decode steps' routers summed, logits within the check's tolerance, generate() identical."""
+    r = C.check_tiny("llama", "random", torch.device("cpu"), torch.float32, "fused-prefill")
+    assert r["ok"], r
+    assert r["routers_fused"] > 0 and r["routers_summed"] > 0 and r["generate_identical"]

@@ -81,3 +81,20 @@ def test_optimize_bf16x2_splits_pair_routers_through_inductor():
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     L = model.config.num_hidden_layers
     assert sum(r.counts.get("split_routers.split", 0) for r in model._wide_reports) == 2 * L
+
+
+@pytest.mark.parametrize("fuse", [True, "prefill"])
+def test_routers_fused_into_their_norms_are_not_split(fuse):
+    """fuse_norm_router runs before split_routers: in a bf16 prefill-size graph every router fuses into its norm
+    (the fused kernel runs its own tensor-core tiles there) and none is split."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    attach_random_routers(model, "wide")
+    ids = torch.randint(0, 128, (1, DECODE_T + 1))
+    (gm, ex), = capture(model, input_ids=ids)
+    ctx = PassManager(fuse_norm_router=fuse).run(gm, ex)
+    L = model.config.num_hidden_layers
+    assert ctx.report.counts["fuse_norm_router.fused"] == 2 * L
+    assert ctx.report.counts["split_routers.split"] == 0 == op_counts(gm).get("split_router_mask", 0)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=2e-2, rtol=2e-2)

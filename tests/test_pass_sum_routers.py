@@ -47,6 +47,24 @@ def test_routers_fused_into_their_norms_stay_fused():
     assert ctx.report.counts["fuse_norm_router.fused"] == 2 * L and ctx.report.counts["sum_routers.summed"] == 0
 
 
+def test_prefill_option_fuses_prefills_and_leaves_decode_to_sum_routers():
+    """fuse_norm_router="prefill": a decode-size graph's routers are summed, not fused; a larger graph's fuse."""
+    c, ctx, L = _run("wide", 1, fuse="prefill")
+    assert ctx.report.counts["fuse_norm_router.fused"] == 0 and ctx.report.counts["sum_routers.summed"] == 2 * L
+    assert ctx.report.counts["fuse_norm_router.decode_kept"] == 2 * L
+    c, ctx, L = _run("wide", DECODE_T + 1, fuse="prefill")
+    assert ctx.report.counts["fuse_norm_router.fused"] == 2 * L and ctx.report.counts["sum_routers.summed"] == 0
+    assert c.get("wide_add_rmsnorm_router_nd", 0) + c.get("wide_rmsnorm_router_nd", 0) == 2 * L
+
+
+def test_fuse_norm_router_option_is_checked():
+    with pytest.raises(ValueError, match="fuse_norm_router must be True, False or 'prefill'"):
+        PassManager(fuse_norm_router="decode")
+    with pytest.raises(ValueError, match="fuse_norm_router must be"):
+        wc.optimize(tiny_model("llama"), wc.Routers.init(tiny_model("llama"), wc.WideConfig(router_init="random")),
+                    fuse_norm_router="always")
+
+
 def test_inserted_routers_in_a_dense_gptfast_graph_are_summed():
     model, ref = gptfast_pair(seed=4)
     cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random")

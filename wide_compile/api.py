@@ -61,7 +61,8 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              "auto" at every decode step and at prefills whose head groups are KV-aligned, see
              passes.manager.default_passes; fuse_qkv=False: K / V as their own linears; compose_routers=False:
              pair routers as their two layers; sum_routers=False: decode-size routers as fp32 GEMMs;
-             split_routers=False: prefill-size routers as fp32 GEMMs).
+             split_routers=False: prefill-size routers as fp32 GEMMs; fuse_norm_router=True | "prefill": each
+             block's RMSNorm and router in one launch, everywhere or in prefill-size graphs only).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
     concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed
     reduction weights), as Inductor's freezing
@@ -73,11 +74,12 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
     from .passes.cost_model import KERNEL_PATHS
-    from .passes.manager import check_sparse_attention
+    from .passes.manager import check_fuse_norm_router, check_sparse_attention
 
     if options.get("kernel_path", "auto") not in KERNEL_PATHS:  # a bad choice fails here, not in a compile
         raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {options['kernel_path']!r}")
     check_sparse_attention(options.get("sparse_attention", "auto"))
+    check_fuse_norm_router(options.get("fuse_norm_router", False))
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 

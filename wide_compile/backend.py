@@ -22,7 +22,8 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    {"attn": ..., "ffn": ...}; default the target capacity of the routers (given here, or passed
                    by optimize). Without it "auto" keeps the tuning table's paths
     fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
-                   run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); default False
+                   run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); "prefill": only in graphs of
+                   more than DECODE_T tokens (decode-size routers stay with sum_routers); default False
     sum_routers    True (default): in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as
                    one Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); False keeps the GEMM
     compose_routers  True (default): each pair router runs as the one linear map it is, one fp32 GEMM where its two
@@ -75,6 +76,11 @@ def _mask_stats(own: dict):
     return own.get("mask_stats")
 
 
+def _fuse_norm_router(value):
+    """The option as the pass manager takes it: "prefill" as it is, anything else as a bool."""
+    return value if value == "prefill" else bool(value)
+
+
 def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     own, inductor_patches = _split_options(options)
     missing = missing_ops()
@@ -90,7 +96,7 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
         from .kernels.tuning import as_arg
 
         passes = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
-                             fuse_norm_router=bool(own.get("fuse_norm_router")),
+                             fuse_norm_router=_fuse_norm_router(own.get("fuse_norm_router", False)),
                              sum_routers=bool(own.get("sum_routers", True)),
                              fuse_qkv=bool(own.get("fuse_qkv", True)),
                              compose_routers=bool(own.get("compose_routers", True)),

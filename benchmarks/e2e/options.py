@@ -84,7 +84,7 @@ class BenchOptions:
     attention: str = "sdpa"
     sparse_attention: bool | str = "auto"
     kernel_path: str = "auto"
-    fuse_norm_router: bool = False
+    fuse_norm_router: bool | str = False
     sum_routers: bool = True
     fuse_qkv: bool = True
     compose_routers: bool = True

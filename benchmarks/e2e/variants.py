@@ -13,6 +13,7 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
   wide_table    wide with every op on the tuning table's path (kernel_path="table"), beside wide's cost-model
                 choice in the same run
   wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
+  wide_fused_prefill  the same in prefill-size graphs only (fuse_norm_router="prefill"; decode keeps summed routers)
   wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
                 launches a routed graph can have without compact kernels, the floor the cost model's paths must beat
   wide_gemm_routers  wide with the decode-size routers as fp32 GEMMs (sum_routers=False): what summing them buys
@@ -238,6 +239,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
     _wide_ab("wide_table", "speedup, table paths", kernel_path="table"),
     _wide_ab("wide_fused", "speedup, fused norm+router", fuse_norm_router=True),
+    _wide_ab("wide_fused_prefill", "speedup, fused norm+router at prefill", fuse_norm_router="prefill"),
     _wide_ab("wide_fused_dense", "speedup, fused + dense-masked", fuse_norm_router=True, kernel_path="dense"),
     _wide_ab("wide_gemm_routers", "speedup, GEMM routers", sum_routers=False),
     _wide_ab("wide_qkv_split", "speedup, K/V unfused", fuse_qkv=False),

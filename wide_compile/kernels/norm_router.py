@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .reorder import _launcher
+from .tuning import interpreting
 
 KINDS = ("linear", "mlp", "pair")
 ROUTER_INPUTS = ("normed", "residual")
@@ -224,6 +225,76 @@ def _rmsnorm_router_rows_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_pt
 
 
 @triton.jit
+def _router_tile_dot(acc, h, w_ptr, g, gv, d, dv, D, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr):
+    # acc [BT, BG] += h [BT, BD] @ w[g, d]^T, the fp32 weight tile [BD, BG] read once for the BT rows.
+    # SPLIT_BF16 (bf16 h): two bf16 tensor-core dots over the tile held as a bf16 pair hi + lo (about 16 mantissa
+    # bits; a bf16 x bf16 product is exact in fp32), the arithmetic of split_routers' GEMM; else one fp32 dot.
+    # UPCAST: the Triton CPU interpreter mis-computes bf16 dots: the same bf16 values upcast (exactly) to fp32
+    wt = tl.load(w_ptr + g[None, :] * D + d[:, None], mask=dv[:, None] & gv[None, :], other=0.0)
+    if SPLIT_BF16:
+        hi = wt.to(tl.bfloat16)
+        lo = (wt - hi.to(tl.float32)).to(tl.bfloat16)
+        hb = h.to(tl.bfloat16)
+        if UPCAST:
+            hf = hb.to(tl.float32)
+            acc = tl.dot(hf, hi.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(hf, lo.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hb, hi, acc)
+            acc = tl.dot(hb, lo, acc)
+    else:
+        acc = tl.dot(h.to(tl.float32), wt, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_ptr, b_ptr, T, D, stride_x, stride_y,
+                                 eps, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+                                 RESIDUAL: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr,
+                                 SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr):
+    # program (row tile, router tile) of a linear router at prefill: rows [i * BT, (i + 1) * BT), router rows
+    # [j * BG, (j + 1) * BG). Every program computes its rows' statistic; the programs of router tile 0 write the
+    # norm output (and the sum). Pass 1 reads the rows for the statistic (and a residual router's dots), pass 2
+    # (L2) for the norm output (and a normed router's dots, which need the statistic first)
+    eps = tl.cast(eps, tl.float32)
+    rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    rv = rows < T
+    g = tl.program_id(1) * BG + tl.arange(0, BG)
+    gv = g < G
+    offs = tl.arange(0, BD)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    acc = tl.zeros([BT, BG], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + offs
+        dv = d < D
+        xin = _load_row(x_ptr, r_ptr, rows[:, None] * stride_x + d[None, :], rv[:, None] & dv[None, :], HAS_ADD)
+        xf = xin.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        if RESIDUAL:
+            acc = _router_tile_dot(acc, xin, w_ptr, g, gv, d, dv, D, SPLIT_BF16, UPCAST)
+    rstd = tl.rsqrt(ss / D + eps)[:, None]
+    col0 = tl.zeros([BT, BD], dtype=tl.int64)  # _norm_tile's column offsets as a full [BT, BD] tile
+    if RESIDUAL:
+        if tl.program_id(1) == 0:
+            for d0 in range(0, D, BD):
+                d = col0 + (d0 + offs)[None, :]
+                m = rv[:, None] & (d < D)
+                _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, d, m, m, rstd,
+                           RESIDUAL, HAS_ADD)
+    else:
+        for d0 in range(0, D, BD):
+            d = d0 + offs
+            dv = d < D
+            m = rv[:, None] & dv[None, :]
+            h = _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, col0 + d[None, :],
+                           m, m & (col0 == tl.program_id(1)), rstd, RESIDUAL, HAS_ADD)
+            acc = _router_tile_dot(acc, h, w_ptr, g, gv, d, dv, D, SPLIT_BF16, UPCAST)
+    if HAS_B:
+        acc += tl.load(b_ptr + g, mask=gv, other=0.0)[None, :]
+    tl.store(m_ptr + rows[:, None] * G + g[None, :], acc > 0, mask=rv[:, None] & gv[None, :])
+
+
+@triton.jit
 def _router_finish_kernel(part_ptr, m_ptr, b1_ptr, w2_ptr, b2_ptr,
                           R: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, GP: tl.constexpr,
                           S: tl.constexpr, SP: tl.constexpr, KIND: tl.constexpr,
@@ -296,6 +367,38 @@ def row_splits(T: int, D: int, G: int, split: Optional[int] = None) -> tuple[int
     return triton.cdiv(G, GB), GB
 
 
+# From this many token rows on (a prefill), a linear router runs as tiles of rows (_rmsnorm_router_tiles_kernel): the
+# one-program-per-row form reads the router's whole weight once per row, which at 2048 rows of SmolLM2's FFN router
+# (24 x 576 fp32) is over 100 MB from L2 per launch, where the tiles read it once per tile of rows and run the
+# router's dots on tensor cores (bf16 inputs).
+TILE_MIN_T = 128
+TILE_ROWS = (16, 32)
+TILE_PROGRAMS = 256
+
+
+def tile_sizes(T: int, D: int, G: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BT, BG, BD) of the tiles form: BG router rows (16 to 64: a dot's smallest and a register tile's largest);
+    BT rows, 32 where that still gives about TILE_PROGRAMS programs, else 16 (a small router's tiles are the rows
+    alone: SmolLM2's 2048 rows are 64 programs of 32); BD columns per step (fp32 rows and fp32 dots take twice the
+    registers of bf16 ones)."""
+    BG = max(16, min(64, triton.next_power_of_2(G)))
+    BT = TILE_ROWS[1] if triton.cdiv(T, TILE_ROWS[1]) * triton.cdiv(G, BG) >= TILE_PROGRAMS else TILE_ROWS[0]
+    BD = max(16, min(triton.next_power_of_2(D), 64 if dtype in (torch.bfloat16, torch.float16) else 32))
+    return BT, BG, BD
+
+
+def _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap):
+    # a linear router at prefill: programs over (row tiles, router tiles), one launch
+    T, D = x.shape
+    G = w.shape[0]
+    BT, BG, BD = tile_sizes(T, D, G, x.dtype)
+    _launcher(_rmsnorm_router_tiles_kernel, wrap)[(triton.cdiv(T, BT), triton.cdiv(G, BG))](
+        x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w.contiguous(),
+        b if b is not None else w, T, D, x.stride(0), y.stride(0), float(eps), G=G, BT=BT, BG=BG, BD=BD,
+        RESIDUAL=router_input == "residual", HAS_B=b is not None, HAS_ADD=r is not None,
+        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), num_warps=4)
+
+
 def _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, split, block_d):
     # a linear router: one launch, its rows over S programs per token row
     T, D = x.shape
@@ -310,8 +413,9 @@ def _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, split
 
 
 def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, b2, wrap: bool,
-            split: Optional[int], block_d: Optional[int]):
-    # (x + r or None, y, mask): the kernel on x's rows, with the residual add when r is given
+            split: Optional[int], block_d: Optional[int], tiles: Optional[bool] = None):
+    # (x + r or None, y, mask): the kernel on x's rows, with the residual add when r is given; tiles: a linear
+    # router's form (None: the tiles from TILE_MIN_T rows on)
     T, D = x.shape
     G = check_router(kind, router_input, D, w1, b1, w2, b2)
     R = w1.shape[0]
@@ -324,7 +428,10 @@ def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, 
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
     mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
     if kind == "linear":
-        _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap, split, block_d)
+        if (T >= TILE_MIN_T and split is None) if tiles is None else tiles:
+            _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap)
+        else:
+            _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap, split, block_d)
         return xs, y, mask
     RP, GP = triton.next_power_of_2(R), triton.next_power_of_2(G)
     BD = block_d or max(16, min(triton.next_power_of_2(D), 8192 // RP))  # the w1 tile [RP, BD] in registers
@@ -344,20 +451,22 @@ def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, 
 
 
 def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None,
-                          wrap: bool = False, split: Optional[int] = None, block_d: Optional[int] = None):
+                          wrap: bool = False, split: Optional[int] = None, block_d: Optional[int] = None,
+                          tiles: Optional[bool] = None):
     """x [T, D] (any float dtype), w_norm [D] -> (y [T, D] in x's dtype, mask [T, G] bool): one launch, or two
     where w1 is large (num_splits; `split` forces the programs per row and `block_d` the column tile, for
-    tests)."""
-    _, y, mask = _launch(x, None, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d)
+    tests). A linear router from TILE_MIN_T rows on runs as tiles of rows, its dots on tensor cores where x is bf16
+    (`tiles` forces the form, for tests)."""
+    _, y, mask = _launch(x, None, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d, tiles)
     return y, mask
 
 
 def add_rmsnorm_router_triton(a, b, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None,
                               b2=None, wrap: bool = False, split: Optional[int] = None,
-                              block_d: Optional[int] = None):
+                              block_d: Optional[int] = None, tiles: Optional[bool] = None):
     """a, b [T, D] (one dtype) -> (x = a + b, y = RMSNorm(x), mask = router(y or x)): the residual add in the
     same launch(es) as rmsnorm_router_triton."""
-    return _launch(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d)
+    return _launch(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d, tiles)
 
 
 def rmsnorm_router_dispatch(x, w_norm, eps, router_input, kind, w1, b1: Optional[torch.Tensor] = None,

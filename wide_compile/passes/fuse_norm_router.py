@@ -1,5 +1,6 @@
-"""Pass 10 (opt-in: optimize(..., fuse_norm_router=True)): fuse each rewritten block's RMSNorm and the router
-that reads the same row into one wide.rmsnorm_router launch (kernels/norm_router.py).
+"""Pass 9 (opt-in: optimize(..., fuse_norm_router=True), or "prefill": graphs of more than DECODE_T tokens only): fuse
+each rewritten block's RMSNorm and the router that reads the same row into one wide.rmsnorm_router launch
+(kernels/norm_router.py; at prefill sizes it runs a linear router as tiles of rows, on tensor cores for bf16 rows).
 
 Per block (attention: the norm feeding q; MLP: the norm feeding gate/up) the pass matches
   * the norm: w * (h32 * rsqrt(mean(h32^2, -1) + eps)).to(h.dtype), h32 = h in float32 (HF LlamaRMSNorm, and
@@ -24,7 +25,7 @@ import torch
 from torch import fx
 
 from ..routing import router_fns as fns
-from ._graph import SILU_FNS, erase_unused, is_call, is_linear, is_mul, linear_parts, meta, node_index
+from ._graph import SILU_FNS, erase_unused, is_call, is_linear, is_mul, linear_parts, meta, node_index, static_rows
 from ._ops import wide_add_rmsnorm_router_nd, wide_rmsnorm_router_nd
 from .base import Pass, PassContext, log
 from .insert_routers import _strip_casts
@@ -166,10 +167,17 @@ def _private(nodes, keep) -> bool:
 class FuseNormRouter(Pass):
     name = "fuse_norm_router"
 
+    def __init__(self, prefill_only: bool = False):
+        # prefill_only: fuse in graphs of more than DECODE_T tokens only (decode-size routers go to sum_routers)
+        self.prefill_only = prefill_only
+
     def __call__(self, ctx: PassContext) -> None:
         for blk in [*ctx.attns, *ctx.mlps]:
             what = "attention" if hasattr(blk, "q") else "mlp"
             if blk.status != "rewritten" or blk.mask is None or blk.mask.op == "get_attr":
+                continue
+            if self.prefill_only and self._decode_size(blk):  # left to sum_routers
+                ctx.count("fuse_norm_router.decode_kept")
                 continue
             why = self._fuse(ctx, blk)
             if why:
@@ -177,6 +185,14 @@ class FuseNormRouter(Pass):
                 log.info("wide: layer %d %s: norm + router not fused: %s", blk.layer, what, why)
             else:
                 ctx.count("fuse_norm_router.fused")
+
+    @staticmethod
+    def _decode_size(blk) -> bool:
+        """The block's rows are known and at most DECODE_T (a graph of unknown rows counts as a prefill)."""
+        from ..kernels.tuning import DECODE_T
+
+        rows = static_rows(blk.x)
+        return rows is not None and rows <= DECODE_T
 
     def _fuse(self, ctx: PassContext, blk) -> str:
         norm = blk.x

@@ -34,7 +34,12 @@ def check_sparse_attention(value) -> None:
         raise ValueError(f"sparse_attention must be 'auto', True or False, got {value!r}")
 
 
-def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool = False,
+def check_fuse_norm_router(value) -> None:
+    if not (value is True or value is False or value == "prefill"):
+        raise ValueError(f"fuse_norm_router must be True, False or 'prefill', got {value!r}")
+
+
+def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
                    split_routers: bool = True) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
@@ -42,26 +47,31 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
     False none; what each choice measured is in benchmarks/results/lean-h100/README.md (fifth run) and
     benchmarks/results/attention/README.md. `fuse_norm_router` adds fuse_norm_router (each block's RMSNorm and
-    router in one wide.rmsnorm_router launch), opt-in: it is not faster than the unfused step
-    (benchmarks/results/lean-h100/README.md). It runs after the rewrites: the earlier passes hold the mask nodes it
-    replaces. `sum_routers` (default) adds sum_routers: the routers left unfused in graphs of decode size as one
-    Inductor reduction each, after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default) lets
+    router in one wide.rmsnorm_router launch; "prefill": only in graphs of more than DECODE_T tokens, where the
+    kernel runs a linear router as tiles of rows on tensor cores), opt-in: at decode it was not faster than the
+    unfused step (benchmarks/results/lean-h100/README.md). It runs after the rewrites (the earlier passes hold the
+    mask nodes it replaces) and before split_routers, which then splits only the routers it left. `sum_routers`
+    (default) adds sum_routers: the routers left unfused in graphs of decode size as one Inductor reduction each,
+    after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default) lets
     K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
     runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
     routers. `split_routers` (default) adds split_routers after it: in bf16 graphs of prefill size each linear
     router (composed ones too) runs on tensor cores over its weight as a bf16 pair."""
     check_sparse_attention(sparse_attention)
+    check_fuse_norm_router(fuse_norm_router)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
               RewriteAttention(fuse_qkv=fuse_qkv)]
     passes += [RewriteSDPA(prefill_kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
     passes += [ComposeRouters()] if compose_routers else []
+    passes += [FuseNormRouter(prefill_only=fuse_norm_router == "prefill")] if fuse_norm_router else []
     passes += [SplitRouters()] if split_routers else []
-    return passes + ([FuseNormRouter()] if fuse_norm_router else []) + ([SumRouters()] if sum_routers else [])
+    return passes + ([SumRouters()] if sum_routers else [])
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool | str = "auto", fuse_norm_router: bool = False, sum_routers: bool = True,
+                 sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
+                 sum_routers: bool = True,
                  fuse_qkv: bool = True, compose_routers: bool = True, split_routers: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,

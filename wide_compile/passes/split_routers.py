@@ -1,4 +1,4 @@
-"""Pass 9 (default; optimize(..., split_routers=False) turns it off): in bf16 graphs of prefill size, each unfused
+"""Pass 10 (default; optimize(..., split_routers=False) turns it off): in bf16 graphs of prefill size, each unfused
 linear router (a linear one, or a pair router compose_routers made linear) runs on tensor cores over its weight as
 a bf16 pair.
 
