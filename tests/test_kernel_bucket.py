@@ -91,11 +91,16 @@ def mode_config(T, mode):
     one union block, more as bucket lists), or the other way ("other": bucket lists for one or a few tokens, one
     union block for more), or "few" (few tokens the other way: dense GEMMs with their masks applied where the
     default is the union block, and the other way round), or "union_blocks" (more tokens unpadded, in blocks over
-    their prototypes' union)."""
+    their prototypes' union), or "global" / "union_global" (h_layout="global": the gate/up kernel over the full
+    width's column tiles, block-fastest, h at the groups' own columns; bucket lists / union blocks, any T)."""
     if mode == "default":
         return None
     if mode == "union_blocks":  # more tokens as blocks of width-ordered tokens over their prototypes' union
         return dict(prefill_lists="union")
+    if mode == "global":  # h at the groups' own columns, programs block-fastest (bucket lists)
+        return dict(h_layout="global", union_max_t=0, one_token="union")
+    if mode == "union_global":  # the same over union blocks
+        return dict(h_layout="global", prefill_lists="union", union_max_t=0, one_token="union")
     if mode == "few":  # few tokens the other way than the device's default (union block / dense GEMMs + masks)
         default = BK.config_for(max(T, 2), 16, torch.float32, DEV)["few_tokens"]
         return dict(few_tokens="dense" if default == "union" else "union")
@@ -190,7 +195,7 @@ def test_lists_out_of_range_ids_form_their_own_bucket():
 
 # ----------------------------------------------------------------------------- the MLP
 
-MODES = ["default", "other", "few", "union_blocks"]
+MODES = ["default", "other", "few", "union_blocks", "global", "union_global"]
 PROTOS_DTYPES = [(k, d) for k in ("mixed", "nested") for d in (torch.float32, torch.bfloat16)]
 
 
@@ -238,7 +243,7 @@ def test_mlp_bucket_strided_weights():
     assert rel(out, BK.mlp_bucket_ref(x.double(), wg.double(), wu.double(), wd.double(), bucket, protos, 16)) <= 1e-4
 
 
-@pytest.mark.parametrize("mode", ["default", "other", "few", "union_blocks"])
+@pytest.mark.parametrize("mode", MODES)
 def test_out_of_range_ids_give_nan_rows_on_the_kernel_path(mode):
     x, wg, wu, wd, bucket, protos = make_case(9, 16, 3, 16, 2, torch.float32)
     bucket[2], bucket[5] = 2, -1

@@ -32,6 +32,13 @@ union of its tokens' prototypes, the (token, group) pairs off a token's own prot
 below, per block). Trained routers fill many buckets far smaller than a block, which the padded lists pad to whole
 blocks (benchmarks/results/bucket-padding/, benchmarks/results/gemv-h100/bucket-recorded/).
 
+With config h_layout="global" the gate/up kernel's programs run over (global column tile, block), the block
+index fastest, and write h at the groups' own columns (a tile no token of the block needs exits at once); the down
+kernel reads h there and runs its programs block-fastest too. Every block that needs a weight tile then reads it
+while the tile is in L2. In the compact layout column tile j of two blocks of different prototypes holds different
+groups, so each block reads its prototype's weights from memory: at 2048 tokens in 16 blocks of the 8B MLP's
+shape that is 16 x 117 MB of gate/up weights against 235 MB for the whole dense layer.
+
 One token (a batch-1 decode step) runs on gemv's two GEMVs over its prototype's groups (config one_token).
 Few tokens (T <= union_max_t, a decode step) take one block instead (or, with config few_tokens="dense", dense
 GEMMs with their masks applied, as wide.mlp's small-batch path) ("union" lists, ``_union_lists_kernel``):
@@ -68,19 +75,20 @@ from .tuning import DECODE_T, interpreting
 # tiny shapes still span several blocks and tiles. prefill_lists: "union" on the GPU (on trained routers' buckets the
 # padded lists compute several times the asked work: benchmarks/results/gemv-h100/bucket-recorded/); the
 # interpreter's default stays "padded", so the tests' default mode runs the bucket lists (their "union_blocks" mode
-# runs the other). benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
+# runs the other). h_layout: "compact" (h's column block j = the block's j-th group) everywhere until a sweep row
+# of "global" (the module docstring) is timed faster. benchmarks/bench_bucket_mlp.py --sweep times SWEEP[phase].
 CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
                        dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1, union_max_t=DECODE_T,
-                       one_token="gemv", few_tokens="dense", prefill_lists="union"),
+                       one_token="gemv", few_tokens="dense", prefill_lists="union", h_layout="compact"),
         "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
                         dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="dense", prefill_lists="union"),
+                        one_token="gemv", few_tokens="dense", prefill_lists="union", h_layout="compact"),
     },
     "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
                         dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="union", prefill_lists="padded"),
+                        one_token="gemv", few_tokens="union", prefill_lists="padded", h_layout="compact"),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
 SWEEP = {
@@ -97,8 +105,13 @@ SWEEP = {
         dict(block_m=64, up_bn=128, up_bk=64, up_warps=4, up_stages=4, dn_bn=128, dn_bk=64, dn_warps=4, dn_stages=4),
         dict(block_m=64, up_bn=64, up_bk=64, up_warps=4, up_stages=4, dn_bn=64, dn_bk=64, dn_warps=4, dn_stages=4),
         dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=4, dn_bn=256, dn_bk=64, dn_warps=8, dn_stages=3),
+        # h over the groups' own columns, programs block-fastest (the module docstring's h_layout="global")
+        dict(h_layout="global"),
+        dict(h_layout="global", up_bn=64, up_warps=4, up_stages=4),
+        dict(h_layout="global", block_m=64, up_bn=64, up_warps=4, up_stages=4, dn_warps=4),
     ),
 }
+H_LAYOUTS = ("compact", "global")
 
 
 def phase(T: int) -> str:
@@ -128,6 +141,8 @@ def config_for(T: int, group_size: int, dtype: torch.dtype, device=None, overrid
     if cfg["prefill_lists"] not in ("padded", "union"):
         raise ValueError(f"mlp_bucket config: prefill_lists must be 'padded' or 'union', got "
                          f"{cfg['prefill_lists']!r}")
+    if cfg["h_layout"] not in H_LAYOUTS:
+        raise ValueError(f"mlp_bucket config: h_layout must be one of {H_LAYOUTS}, got {cfg['h_layout']!r}")
     if cfg["few_tokens"] not in ("union", "dense"):
         raise ValueError(f"mlp_bucket config: few_tokens must be 'union' or 'dense', got {cfg['few_tokens']!r}")
     for k in ("block_m", "up_bn", "up_bk", "dn_bn", "dn_bk"):
@@ -356,27 +371,43 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
                             stride_w2n, stride_w2k, stride_om, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, UNION: tl.constexpr, ACT: tl.constexpr,
-                            PREC: tl.constexpr, UPCAST: tl.constexpr):
+                            PREC: tl.constexpr, UPCAST: tl.constexpr, GLOBAL: tl.constexpr):
     # N = the bucket's groups' output columns. GATED: act(x W1^T) * (x W2^T) (the MLP's gate/up), else x W1^T + b.
     # SCATTER=False: compact store (column block j = the prototype's j-th active group) at the block's rows;
     # SCATTER=True: store at the tokens' rows and the groups' own columns, zeros on the inactive groups (q_proj).
-    # UNION: the block's groups are the union of its tokens' prototypes; pairs off a token's own one give 0
-    m, n = _block_and_tile(NB, tl.cdiv(G * GS, BN), GROUP_M)
+    # UNION: the block's groups are the union of its tokens' prototypes; pairs off a token's own one give 0.
+    # GLOBAL (not with SCATTER): programs over (column tile n of the full width, block m), m fastest; h stored at the
+    # groups' own columns, only those some token of the block needs
+    if GLOBAL:
+        m = tl.program_id(0) % NB
+        n = tl.program_id(0) // NB
+    else:
+        m, n = _block_and_tile(NB, tl.cdiv(G * GS, BN), GROUP_M)
     p = tl.load(bblock_ptr + m)
     if p < 0:  # past the used blocks
         return
     width = tl.load(pcount_ptr + p) * GS
     if not SCATTER:
-        if n * BN >= width:  # past the bucket's compact width
+        if n * BN >= width and not GLOBAL:  # past the bucket's compact width
             return
+        if GLOBAL and not UNION:
+            if p == P:  # the out-of-range ids' bucket: no groups (the down kernel writes its NaN rows)
+                return
     slots = m * BM + tl.arange(0, BM)
     tok = tl.load(sorted_ptr + slots)                                   # [BM], sentinel T = padding
     tvalid = tok < T
     tok64 = tok.to(tl.int64)
-    c = n * BN + tl.arange(0, BN)                                       # compact columns
-    cvalid = c < width
-    grp = tl.load(pgroups_ptr + p * G + c // GS, mask=c < G * GS, other=0)  # active groups, then inactive ones
-    wrow = (grp * GS + c % GS).to(tl.int64)                             # [BN] weight rows of those columns
+    c = n * BN + tl.arange(0, BN)                                       # compact (GLOBAL: the full width's) columns
+    if GLOBAL:
+        grp = c // GS
+        wrow = c.to(tl.int64)
+        cvalid = c < G * GS
+        if not UNION:  # the bucket's prototype's groups
+            cvalid = cvalid & (tl.load(protos_ptr + p * G + grp, mask=cvalid, other=0) != 0)
+    else:
+        cvalid = c < width
+        grp = tl.load(pgroups_ptr + p * G + c // GS, mask=c < G * GS, other=0)  # active groups, then inactive ones
+        wrow = (grp * GS + c % GS).to(tl.int64)                         # [BN] weight rows of those columns
     fill = tl.zeros([BM, BN], dtype=tl.float32)
     if not UNION:  # bucket P: ids outside [0, P) (union blocks check each token's id instead)
         fill += tl.where(p == P, float("nan"), 0.0)
@@ -386,6 +417,11 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
         fill += tl.where(id_ok, 0.0, float("nan"))[:, None]
         on = tl.load(protos_ptr + bt.to(tl.int64)[:, None] * G + grp[None, :],
                      mask=(tvalid & id_ok)[:, None] & cvalid[None, :], other=0) != 0   # [BM, BN]: own groups
+        if GLOBAL:  # the columns some token of the block needs
+            cvalid = cvalid & (tl.max(on.to(tl.int32), axis=0) != 0)
+    if GLOBAL:
+        if tl.max(cvalid.to(tl.int32), axis=0) == 0:  # no token of the block needs this tile
+            return
     if SCATTER:
         optrs = out_ptr + tok64[:, None] * stride_om + wrow[None, :]
         omask = tvalid[:, None] & (c < G * GS)[None, :]
@@ -417,12 +453,17 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
                             bucket_ptr, protos_ptr, T, N, P, NB, stride_am, stride_wn, stride_wk, stride_om,
                             G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                             GROUP_M: tl.constexpr, COMPACT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            UNION: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                            UNION: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, GLOBAL: tl.constexpr):
     # out[tok, :N] = a[tok, the prototype's groups] @ W[:, those groups]^T (+ b), K over the active groups only.
     # COMPACT_A: a is the bucket-compact h (rows = the block's slots, column block j = j-th active group), else
     # a full-width [T, G * GS] input gathered by token and group (o_proj). UNION: the block's groups are the
-    # union of its tokens' prototypes; a full-width input is read only on each token's own groups
-    m, n = _block_and_tile(NB, tl.cdiv(N, BN), GROUP_M)
+    # union of its tokens' prototypes; a full-width input is read only on each token's own groups. GLOBAL (with
+    # COMPACT_A): h by the block's slots at the groups' own columns, programs block-fastest
+    if GLOBAL:
+        m = tl.program_id(0) % NB
+        n = tl.program_id(0) // NB
+    else:
+        m, n = _block_and_tile(NB, tl.cdiv(N, BN), GROUP_M)
     p = tl.load(bblock_ptr + m)
     if p < 0:
         return
@@ -449,7 +490,8 @@ def _bucket_gather_k_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, bblock_ptr
         kin = (i % KT) * BK + tl.arange(0, BK)
         kv = kin < GS
         if COMPACT_A:
-            a = tl.load(a_rows + (j * GS + kin)[None, :], mask=kv[None, :], other=0.0)                  # [BM, BK]
+            acol = g * GS + kin if GLOBAL else j * GS + kin
+            a = tl.load(a_rows + acol[None, :], mask=kv[None, :], other=0.0)                            # [BM, BK]
         else:
             use = tvalid
             if UNION:
@@ -570,8 +612,8 @@ def gather_n_triton(x, w1, w2, bias, out, lists: BucketLists, group_size: int, c
         T, D, lists.P, nb, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1),
         out.stride(0), G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["up_bn"], BK=cfg["up_bk"],
         GROUP_M=cfg["group_m"], GATED=gated, HAS_BIAS=bias is not None, SCATTER=scatter, UNION=lists.union,
-        ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype), num_warps=cfg["up_warps"],
-        num_stages=cfg["up_stages"])
+        ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype),
+        GLOBAL=not scatter and cfg["h_layout"] == "global", num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     return out
 
 
@@ -587,13 +629,16 @@ def gather_k_triton(a, w, bias, lists: BucketLists, T: int, group_size: int, cfg
         T, N, lists.P, nb, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         G=K // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["dn_bn"], BK=cfg["dn_bk"], GROUP_M=cfg["group_m"],
         COMPACT_A=compact_a, HAS_BIAS=bias is not None, UNION=lists.union, PREC=_prec(a.dtype),
-        UPCAST=_upcast(a.dtype), num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+        UPCAST=_upcast(a.dtype), GLOBAL=compact_a and cfg["h_layout"] == "global", num_warps=cfg["dn_warps"],
+        num_stages=cfg["dn_stages"])
     return out
 
 
 def gate_up_triton(x, w_gate, w_up, lists: BucketLists, group_size: int, act: str, cfg: dict, wrap: bool = False):
     """The bucket-compact h [NB * BM, F] of the gate/up kernel: row r = the r-th entry of the sorted token list,
-    column block j = the j-th group of the row's block (columns past its width are not written)."""
+    column block j = the j-th group of the row's block (columns past its width are not written); with config
+    h_layout="global" column block g = group g (columns of groups the row's block does not need are not
+    written)."""
     h = alloc((lists.block_bucket.shape[0] * cfg["block_m"], w_gate.shape[0]), x.dtype, x.device)
     return gather_n_triton(x, w_gate, w_up, None, h, lists, group_size, cfg, gated=True, scatter=False, act=act,
                            wrap=wrap)
