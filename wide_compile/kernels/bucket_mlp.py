@@ -34,7 +34,8 @@ blocks (benchmarks/results/bucket-padding/, benchmarks/results/gemv-h100/bucket-
 
 With config h_layout="global" the gate/up kernel's programs run over (global column tile, block), the block
 index fastest, and write h at the groups' own columns (a tile no token of the block needs exits at once); the down
-kernel reads h there and runs its programs block-fastest too. Every block that needs a weight tile then reads it
+kernel reads h there and runs its programs block-fastest too (the attention's q projection, which stores at the
+groups' own columns anyway, takes the same program order). Every block that needs a weight tile then reads it
 while the tile is in L2. In the compact layout column tile j of two blocks of different prototypes holds different
 groups, so each block reads its prototype's weights from memory: at 2048 tokens in 16 blocks of the 8B MLP's
 shape that is 16 x 117 MB of gate/up weights against 235 MB for the whole dense layer.
@@ -376,8 +377,9 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
     # SCATTER=False: compact store (column block j = the prototype's j-th active group) at the block's rows;
     # SCATTER=True: store at the tokens' rows and the groups' own columns, zeros on the inactive groups (q_proj).
     # UNION: the block's groups are the union of its tokens' prototypes; pairs off a token's own one give 0.
-    # GLOBAL (not with SCATTER): programs over (column tile n of the full width, block m), m fastest; h stored at the
-    # groups' own columns, only those some token of the block needs
+    # GLOBAL: programs over (column tile n of the full width, block m), m fastest. Compact h: stored at the groups'
+    # own columns, only those some token of the block needs; SCATTER: a tile no token needs is stored as zeros
+    # without its GEMM
     if GLOBAL:
         m = tl.program_id(0) % NB
         n = tl.program_id(0) // NB
@@ -402,7 +404,8 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
         grp = c // GS
         wrow = c.to(tl.int64)
         cvalid = c < G * GS
-        if not UNION:  # the bucket's prototype's groups
+        if not UNION:  # the bucket's prototype's groups (bucket P, the out-of-range ids, has none)
+            cvalid = cvalid & (c * 0 + p < P)  # [BN] (a scalar term in a mask trips the Triton interpreter)
             cvalid = cvalid & (tl.load(protos_ptr + p * G + grp, mask=cvalid, other=0) != 0)
     else:
         cvalid = c < width
@@ -419,16 +422,20 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
                      mask=(tvalid & id_ok)[:, None] & cvalid[None, :], other=0) != 0   # [BM, BN]: own groups
         if GLOBAL:  # the columns some token of the block needs
             cvalid = cvalid & (tl.max(on.to(tl.int32), axis=0) != 0)
-    if GLOBAL:
-        if tl.max(cvalid.to(tl.int32), axis=0) == 0:  # no token of the block needs this tile
-            return
     if SCATTER:
         optrs = out_ptr + tok64[:, None] * stride_om + wrow[None, :]
         omask = tvalid[:, None] & (c < G * GS)[None, :]
-        if n * BN >= width:  # only inactive groups' columns
+        if GLOBAL:
+            skip = tl.max(cvalid.to(tl.int32), axis=0) == 0  # no token of the block needs this tile
+        else:
+            skip = n * BN >= width  # past the active width: only inactive groups' columns
+        if skip:
             tl.store(optrs, fill.to(out_ptr.dtype.element_ty), mask=omask)
             return
     else:
+        if GLOBAL:
+            if tl.max(cvalid.to(tl.int32), axis=0) == 0:  # no token of the block needs this tile
+                return
         optrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + c[None, :]
         omask = cvalid[None, :]  # padding rows too (act(0) * 0 = 0): the down kernel reads whole blocks
     acc1, acc2 = gather_gemm(x_ptr + tok64[:, None] * stride_xm, w1_ptr + wrow[:, None] * stride_w1n,
@@ -613,7 +620,7 @@ def gather_n_triton(x, w1, w2, bias, out, lists: BucketLists, group_size: int, c
         out.stride(0), G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["up_bn"], BK=cfg["up_bk"],
         GROUP_M=cfg["group_m"], GATED=gated, HAS_BIAS=bias is not None, SCATTER=scatter, UNION=lists.union,
         ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype),
-        GLOBAL=not scatter and cfg["h_layout"] == "global", num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+        GLOBAL=cfg["h_layout"] == "global", num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     return out
 
 
