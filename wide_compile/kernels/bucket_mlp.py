@@ -37,8 +37,9 @@ index fastest, and write h at the groups' own columns (a tile no token of the bl
 kernel reads h there and runs its programs block-fastest too (the attention's q projection, which stores at the
 groups' own columns anyway, takes the same program order). Every block that needs a weight tile then reads it
 while the tile is in L2. In the compact layout column tile j of two blocks of different prototypes holds different
-groups, so each block reads its prototype's weights from memory: at 2048 tokens in 16 blocks of the 8B MLP's
-shape that is 16 x 117 MB of gate/up weights against 235 MB for the whole dense layer.
+groups, so each block reads its prototype's weights from memory: a prefill of many blocks reads the gate/up
+weights about once per block where the dense layer reads them once (benchmarks/KERNELS_NOTES.md, "Weight traffic
+of the bucketed prefill").
 
 One token (a batch-1 decode step) runs on gemv's two GEMVs over its prototype's groups (config one_token).
 Few tokens (T <= union_max_t, a decode step) take one block instead (or, with config few_tokens="dense", dense
