@@ -8,8 +8,9 @@ Shape: the Llama-3.1-8B MLP (D 4096, F 14336, bf16, FFN groups of 64 channels, G
 Variants, per token count T, all from one interleaved run:
   dense            torch.compile'd F.linear triple with silu * mul (--dense-mode: Inductor's mode)
   static           the same on the first F/2 channels (a statically pruned model)
-  free             torch.ops.wide.mlp with iid Bernoulli(capacity) masks per (token, group)
-  bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each an iid Bernoulli(capacity) subset, each token's
+  free             torch.ops.wide.mlp with a random subset of round(capacity * G) groups per token (--mask-draw
+                   bernoulli: iid Bernoulli(capacity) per (token, group))
+  bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each such a random subset, each token's
                    prototype uniform at random
   bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
   (T = 1 runs on gemv's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
@@ -59,7 +60,19 @@ def nested_protos(P: int, G: int):
     return torch.arange(G)[None, :] < widths[:, None]
 
 
-def make_inputs(T: int, shape: dict, P: int, capacity: float, dtype, device, gen) -> dict:
+def draw_masks(rows: int, G: int, capacity: float, how: str, gen):
+    """[rows, G] bool: "exact" a random subset of round(capacity * G) groups per row (every row at the asked
+    capacity: one decode token's time is its own mask's width, and a single Bernoulli draw of 224 groups lands a
+    few percent off), "bernoulli" each (row, group) on with probability capacity."""
+    import torch
+
+    if how == "bernoulli":
+        return torch.rand(rows, G, generator=gen) < capacity
+    k = round(capacity * G)
+    return torch.rand(rows, G, generator=gen).argsort(dim=1).argsort(dim=1) < k
+
+
+def make_inputs(T: int, shape: dict, P: int, capacity: float, dtype, device, gen, mask_draw: str = "exact") -> dict:
     import torch
 
     D, Fi, gs = shape["D"], shape["F"], shape["group_size"]
@@ -69,8 +82,8 @@ def make_inputs(T: int, shape: dict, P: int, capacity: float, dtype, device, gen
     w["wd_t"] = w["wd"].t().contiguous()                       # wide.mlp's layout (down_proj.weight.T)
     h = Fi // 2
     w.update(wg_half=w["wg"][:h].contiguous(), wu_half=w["wu"][:h].contiguous(), wd_half=w["wd"][:, :h].contiguous())
-    w["free_mask"] = (torch.rand(T, G, generator=gen) < capacity).to(device)
-    w["codebook"] = (torch.rand(P, G, generator=gen) < capacity).to(device)
+    w["free_mask"] = draw_masks(T, G, capacity, mask_draw, gen).to(device)
+    w["codebook"] = draw_masks(P, G, capacity, mask_draw, gen).to(device)
     w["nested"] = nested_protos(P, G).to(device)
     w["bucket"] = torch.randint(0, P, (T,), generator=gen, dtype=torch.int32).to(device)
     return w
@@ -231,7 +244,7 @@ def bench(args, dry: bool, save=lambda rows: None) -> list:
         recorded = {T: recorded_inputs(rec, args.masks_layer, T, G, device) for T in args.ts if T >= RECORDED_FROM_T}
     rows = []
     for T in args.ts:
-        w = make_inputs(T, shape, args.prototypes, args.capacity, dtype, device, gen)
+        w = make_inputs(T, shape, args.prototypes, args.capacity, dtype, device, gen, args.mask_draw)
         w.update(recorded.get(T, {}))
         fns, meta, failed = variants_for(w, shape, args, dry)
         times = time_variants(fns, args, dry)
@@ -269,6 +282,9 @@ def parse_args(argv=None):
                     help="tiny shapes on the CPU under the Triton interpreter (a check that this script runs)")
     ap.add_argument("--ts", nargs="+", type=int, default=None, help="token counts (default 1 16 2048 8192)")
     ap.add_argument("--capacity", type=float, default=0.5, help="share of active (token, group) pairs")
+    ap.add_argument("--mask-draw", choices=["exact", "bernoulli"], default="exact",
+                    help="free masks and prototypes: exact, round(capacity * G) groups on per row (default), or each "
+                         "group on with probability capacity (the draw before 2026-12-07)")
     ap.add_argument("--prototypes", type=int, default=None, help="P, prototypes per layer (default 16; dry run 4)")
     ap.add_argument("--dense-mode", default="default",
                     help="torch.compile mode of dense and static (e.g. max-autotune-no-cudagraphs)")
@@ -306,6 +322,7 @@ def main(argv=None) -> dict:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(args.ts))
     info = dict(device="cpu (dry run, Triton interpreter)" if args.dry_run else torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
+                mask_draw=args.mask_draw,
                 command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)),
                 timing=("wall time of eager calls (dry run)" if args.dry_run else
                         f"CUDA graph replay of one call, CUDA events per replay, variants interleaved for "

@@ -135,3 +135,16 @@ def test_masks_errors_name_the_problem(tmp_path):
         bench_bucket_mlp.recorded_inputs(rec, -1, 32, 8, "cpu")
     with pytest.raises(SystemExit):                                      # a layer without a recording to take it from
         bench_bucket_mlp.parse_args(["--dry-run", "--masks-layer", "3", "--out", str(tmp_path)])
+
+
+def test_exact_mask_draw_puts_every_row_at_the_capacity():
+    import torch
+
+    import bench_bucket_mlp
+
+    gen = torch.Generator().manual_seed(0)
+    m = bench_bucket_mlp.draw_masks(50, 224, 0.5, "exact", gen)
+    assert m.shape == (50, 224) and (m.sum(1) == 112).all()
+    assert m.float().mean(0).min() > 0  # a random subset per row, not the same groups everywhere
+    b = bench_bucket_mlp.draw_masks(50, 224, 0.5, "bernoulli", gen)
+    assert b.shape == (50, 224) and b.sum(1).unique().numel() > 1
