@@ -20,8 +20,9 @@ def _pair_tensors(D, R, G, seed):
             torch.randn(2 * G, R, generator=g) * 0.2, torch.randn(2 * G, generator=g) * 0.5)
 
 
+@pytest.mark.parametrize("pad_to", [1, 4])
 @pytest.mark.parametrize("T,D,R,G", [(1, 64, 32, 4), (33, 96, 16, 9), (200, 576, 32, 24)])
-def test_split_composed_logits_are_the_pair_margin(T, D, R, G):
+def test_split_composed_logits_are_the_pair_margin(T, D, R, G, pad_to):
     """The composed weight as a bf16 pair over bf16 inputs (router_fns.split_logits) against the two-layer margin
     in float64: within 2^-14 of the sum of |products| (the pair holds W to about 2^-16; fp32 accumulation), and
     every decision whose margin is clear of that bound agrees."""
@@ -32,7 +33,9 @@ def test_split_composed_logits_are_the_pair_margin(T, D, R, G):
     wd, bd, wu, bu = _pair_tensors(D, R, G, seed=T)
     h = torch.randn(T, D, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     w, c = compose_pair(wd, bd, wu, bu)
-    got = fns.split_logits(h, split_bf16(w), c).double()
+    w2 = split_bf16(w, pad_to=pad_to)
+    assert w2.shape == (2 * (-(-G // pad_to) * pad_to), D)
+    got = fns.split_logits(h, w2, c).double()
     want = fns.pair_margin(h.double(), wd.double(), bd.double(), wu.double(), bu.double())
     bound = 2.0 ** -14 * ((h.double().abs() @ w.double().abs().t()) + c.double().abs())
     assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
@@ -95,6 +98,33 @@ def test_routers_fused_into_their_norms_are_not_split(fuse):
     L = model.config.num_hidden_layers
     assert ctx.report.counts["fuse_norm_router.fused"] == 2 * L
     assert ctx.report.counts["split_routers.split"] == 0 == op_counts(gm).get("split_router_mask", 0)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_split_halves_are_padded_to_an_aligned_gemm():
+    """The pass pads each half of the pair to a multiple of PAD_GROUPS rows (the GEMM's N a multiple of 8); a
+    router without a bias gets a zero one (its length says G); the logits stay the eager reference's."""
+    from wide_compile.passes.split_routers import PAD_GROUPS
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    attach_random_routers(model, "linear")
+    ids = torch.randint(0, 128, (1, DECODE_T + 1))
+    (gm, ex), = capture(model, input_ids=ids)
+    PassManager().run(gm, ex)
+    from wide_compile.passes._graph import meta
+
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "split_router_mask"]
+    assert calls
+    padded = 0
+    for n in calls:
+        w2, G = getattr(gm, n.args[1].target), meta(n.args[2]).shape[0]
+        assert w2.shape[0] % (2 * PAD_GROUPS) == 0 and w2.shape[0] // 2 >= G
+        Gp = w2.shape[0] // 2
+        assert (w2[G:Gp] == 0).all() and (w2[Gp + G:] == 0).all()
+        padded += Gp > G
+    assert padded  # some router's groups are not a multiple of PAD_GROUPS
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     torch.testing.assert_close(run_logits(gm, ex, ref), ref, atol=2e-2, rtol=2e-2)

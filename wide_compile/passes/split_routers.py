@@ -23,6 +23,8 @@ from ._graph import meta, static_rows
 from .base import Pass, PassContext, log
 from .fuse_norm_router import match_router, replace_router, unfused_routers
 
+PAD_GROUPS = 4
+
 
 class SplitRouters(Pass):
     name = "split_routers"
@@ -40,8 +42,13 @@ class SplitRouters(Pass):
                 continue
             real = ctx.weights.tensor(w)
             with torch.no_grad():
-                w2 = ctx.weights.constant(("split_router", id(real)), "router_w2", lambda: split_bf16(real),
-                                          before=blk.mask)
+                # each half padded to a multiple of PAD_GROUPS rows, so the GEMM's N (2 Gp) is a multiple of 8 as
+                # cuBLAS's tensor-core kernels want: SmolLM2's 9 head groups give N = 18, which ran on an unaligned
+                # cutlass kernel (benchmarks/results/lean-h100/run6/, the SmolLM2 prefill profile). The bias's length
+                # says G to split_logits, so a router without one keeps its halves unpadded
+                pad = PAD_GROUPS if b is not None else 1
+                w2 = ctx.weights.constant(("split_router", id(real)), "router_w2",
+                                          lambda: split_bf16(real, pad_to=pad), before=blk.mask)
             replace_router(ctx, blk, fns.split_router_mask, h, w2, b, nodes)
             ctx.weights.drop_constant(w)  # a composed router's fp32 weight, a constant of its own, is read no more
             blk.router_forms.append("split")

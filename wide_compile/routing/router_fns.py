@@ -35,14 +35,16 @@ def split_logits(h: torch.Tensor, w2: torch.Tensor, b: torch.Tensor | None) -> t
     """Logits of a linear router held as a bf16 pair (routers.split_bf16), for bf16 inputs: one tensor-core
     GEMM h @ [hi; lo]^T with fp32 accumulation and fp32 output (aten::mm.dtype on CUDA), then hi + lo in
     fp32. A product of two bf16 values is exact in fp32, so this is the fp32 router up to summation order and
-    the 2^-16 weight split, at bf16 GEMM speed (fp32 routers run without tensor cores)."""
-    G = w2.shape[0] // 2
+    the 2^-16 weight split, at bf16 GEMM speed (fp32 routers run without tensor cores). w2 may hold each half
+    padded with zero rows to Gp >= G rows (split_bf16(pad_to=)): then G is the bias's length."""
+    Gp = w2.shape[0] // 2
+    G = b.shape[0] if b is not None else Gp
     x = h.reshape(-1, h.shape[-1])
     if x.is_cuda:
         y = torch.mm(x, w2.t(), out_dtype=torch.float32)
     else:  # the same arithmetic where mm.dtype has no kernel (CPU)
         y = x.float() @ w2.float().t()
-    out = y.narrow(1, 0, G) + y.narrow(1, G, G)
+    out = y.narrow(1, 0, G) + y.narrow(1, Gp, G)
     if b is not None:
         out = out + b.float()
     return out.reshape(*h.shape[:-1], G)

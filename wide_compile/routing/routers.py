@@ -43,12 +43,18 @@ _BIG = 30.0  # logit magnitude of a constant router: sigmoid(30) == 1 in fp32
 SPLIT_MIN_ROWS = 2
 
 
-def split_bf16(w: torch.Tensor) -> torch.Tensor:
-    """fp32 weight [G, D] -> bf16 [2G, D]: rows :G = bf16(w), rows G: = bf16(w - bf16(w)); the pair holds w
-    to about 2^-16 relative (16 mantissa bits instead of bf16's 8)."""
+def split_bf16(w: torch.Tensor, pad_to: int = 1) -> torch.Tensor:
+    """fp32 weight [G, D] -> bf16 [2Gp, D]: rows :G = bf16(w), rows Gp:Gp + G = bf16(w - bf16(w)), Gp = G rounded
+    up to a multiple of pad_to (the rows between are zero); the pair holds w to about 2^-16 relative (16
+    mantissa bits instead of bf16's 8)."""
     w = w.detach().float()
     hi = w.to(torch.bfloat16)
-    return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
+    lo = (w - hi.float()).to(torch.bfloat16)
+    pad = -w.shape[0] % pad_to
+    if pad:
+        z = hi.new_zeros(pad, w.shape[1])
+        return torch.cat([hi, z, lo, z])
+    return torch.cat([hi, lo])
 
 
 class _RouterBase(nn.Module):
