@@ -61,33 +61,19 @@ def split_rows(model, routers, calib, evalb, capacity: float, attn_targets, batc
     return rows
 
 
-def table(rec: dict) -> str:
-    lines = [f"Routers `{rec['routers']}` with LoRA `{rec['lora']}`, overall capacity {rec['capacity']}, "
-             f"calibration on {rec['calib_tokens']} / evaluation on {rec['eval_tokens']} tokens of "
-             f"`{rec['text_file']}`; dense NLL {rec['dense_nll']:.4f}.", "",
-             "| attention target | capacity (calibration text): overall / attn / ffn | capacity (evaluation text): "
-             "overall / attn / ffn | NLL | ppl ratio to dense |", "|---|---|---|---|---|"]
-    for r in rec["rows"]:
-        c, e = r["capacity_calib"], r["capacity_eval"]
-        lines.append(f"| {'global offset' if r['attn_target'] is None else r['attn_target']} | "
-                     f"{c['overall']:.3f} / {c['attn']:.3f} / {c['ffn']:.3f} | {e['overall']:.3f} / {e['attn']:.3f} / "
-                     f"{e['ffn']:.3f} | {r['nll']:.4f} | {math.exp(r['nll'] - rec['dense_nll']):.3f} |")
-    return "\n".join(lines) + "\n"
+def capacity_cells(r: dict, dense_nll: float) -> str:
+    """A row's capacities on the calibration and evaluation text, its NLL and ppl ratio, as markdown cells."""
+    c, e = r["capacity_calib"], r["capacity_eval"]
+    return (f"{c['overall']:.3f} / {c['attn']:.3f} / {c['ffn']:.3f} | {e['overall']:.3f} / {e['attn']:.3f} / "
+            f"{e['ffn']:.3f} | {r['nll']:.4f} | {math.exp(r['nll'] - dense_nll):.3f} |")
 
 
-def main(argv=None) -> dict:
-    import torch
-
-    from wide_compile.eval.records import command_line, machine
-    from wide_compile.paths import data_file
-    from wide_compile.training.convert import free_routers_on_text
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_set_args(ap, torch) -> None:
+    """The options of a run on one trained router set over WikiText-2 validation blocks (this script's and
+    layer_allocation.py's)."""
     ap.add_argument("--routers", required=True, help="free routers: a shipped name or a .safetensors file")
     ap.add_argument("--lora", default=None, help="their stage-2 LoRA (default: a shipped name's own; 'none')")
     ap.add_argument("--capacity", type=float, required=True, help="overall FLOP-weighted capacity every row keeps")
-    ap.add_argument("--attn-targets", type=float, nargs="+", required=True,
-                    help="attention capacities to try (a row with the global offset alone is always added first)")
     ap.add_argument("--text-file", default=None, help="raw text (default: the data root's wikitext-2/wiki.valid.raw)")
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--eval-tokens", type=int, default=16384)
@@ -96,6 +82,51 @@ def main(argv=None) -> dict:
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True, help="output .json (a .md table goes beside it)")
+
+
+def set_record(a, argv, prog: str, src, lora, text: str, t0: float, **fields) -> dict:
+    """The JSON record of a run on one trained set: its command, date, machine, the set and the text, `fields`,
+    and the seconds since t0."""
+    from wide_compile.eval.records import command_line, machine
+
+    return {"command": command_line(argv, prog=prog), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine(a.device), "routers": a.routers, "routers_file": str(src),
+            "lora": None if lora is None else str(lora), "capacity": a.capacity, "text_file": text, **fields,
+            "seconds": round(time.time() - t0, 1)}
+
+
+def write_record(rec: dict, out: str, table_fn) -> dict:
+    """`rec` as JSON at `out`, its table_fn markdown beside it (.md) and on stdout."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1))
+    path.with_suffix(".md").write_text(table_fn(rec))
+    print(table_fn(rec))
+    return rec
+
+
+def table(rec: dict) -> str:
+    lines = [f"Routers `{rec['routers']}` with LoRA `{rec['lora']}`, overall capacity {rec['capacity']}, "
+             f"calibration on {rec['calib_tokens']} / evaluation on {rec['eval_tokens']} tokens of "
+             f"`{rec['text_file']}`; dense NLL {rec['dense_nll']:.4f}.", "",
+             "| attention target | capacity (calibration text): overall / attn / ffn | capacity (evaluation text): "
+             "overall / attn / ffn | NLL | ppl ratio to dense |", "|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        lines.append(f"| {'global offset' if r['attn_target'] is None else r['attn_target']} | "
+                     + capacity_cells(r, rec["dense_nll"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    import torch
+
+    from wide_compile.paths import data_file
+    from wide_compile.training.convert import free_routers_on_text
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_set_args(ap, torch)
+    ap.add_argument("--attn-targets", type=float, nargs="+", required=True,
+                    help="attention capacities to try (a row with the global offset alone is always added first)")
     a = ap.parse_args(argv)
     if not 0.0 < a.capacity <= 1.0 or not all(0.0 < t <= 1.0 for t in a.attn_targets):
         ap.error("--capacity and --attn-targets must be in (0, 1]")
@@ -110,17 +141,9 @@ def main(argv=None) -> dict:
     calib, evalb = blocks[:n_c], blocks[n_c:]
     dense = block_nll(model, None, evalb, a.batch_size)
     rows = split_rows(model, routers, calib, evalb, a.capacity, [None, *a.attn_targets], a.batch_size)
-    rec = {"command": command_line(argv, prog="python benchmarks/capacity_split.py"),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(a.device),
-           "routers": a.routers, "routers_file": str(src), "lora": None if lora is None else str(lora),
-           "capacity": a.capacity, "text_file": text, "calib_tokens": calib.numel(), "eval_tokens": evalb.numel(),
-           "seq_len": a.seq_len, "dense_nll": dense, "rows": rows, "seconds": round(time.time() - t0, 1)}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rec, indent=1))
-    out.with_suffix(".md").write_text(table(rec))
-    print(table(rec))
-    return rec
+    rec = set_record(a, argv, "python benchmarks/capacity_split.py", src, lora, text, t0, calib_tokens=calib.numel(),
+                     eval_tokens=evalb.numel(), seq_len=a.seq_len, dense_nll=dense, rows=rows)
+    return write_record(rec, a.out, table)
 
 
 if __name__ == "__main__":

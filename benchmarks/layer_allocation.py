@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from capacity_split import add_set_args, capacity_cells, set_record, write_record  # noqa: E402
 
 KINDS = ("attn", "ffn")
 
@@ -145,9 +146,7 @@ def table(rec: dict) -> str:
              "| lam | capacity (calibration): overall / attn / ffn | capacity (evaluation): overall / attn / ffn | NLL | "
              "ppl ratio to dense |", "|---|---|---|---|---|"]
     for r in rec["rows"]:
-        c, e = r["capacity_calib"], r["capacity_eval"]
-        lines.append(f"| {r['lam']:+g} | {c['overall']:.3f} / {c['attn']:.3f} / {c['ffn']:.3f} | {e['overall']:.3f} / "
-                     f"{e['attn']:.3f} / {e['ffn']:.3f} | {r['nll']:.4f} | {math.exp(r['nll'] - rec['dense_nll']):.3f} |")
+        lines.append(f"| {r['lam']:+g} | " + capacity_cells(r, rec["dense_nll"]))
     lines += ["", "Gain per unit of overall capacity when a router alone runs all-on (sensitivity text):", "",
               "| layer | attn capacity | attn gain | ffn capacity | ffn gain |", "|---|---|---|---|---|"]
     by = {(g["kind"], g["layer"]): g for g in rec["gains"]}
@@ -162,27 +161,16 @@ def table(rec: dict) -> str:
 def main(argv=None) -> dict:
     import torch
 
-    from wide_compile.eval.records import command_line, machine
     from wide_compile.paths import data_file
     from wide_compile.routing.calibrate import deterministic_capacity
     from wide_compile.training.convert import free_routers_on_text
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--routers", required=True, help="free routers: a shipped name or a .safetensors file")
-    ap.add_argument("--lora", default=None, help="their stage-2 LoRA (default: a shipped name's own; 'none')")
-    ap.add_argument("--capacity", type=float, required=True, help="overall FLOP-weighted capacity every row keeps")
+    add_set_args(ap, torch)
     ap.add_argument("--lams", type=float, nargs="+", default=[0.0, 1.0, 2.0, -1.0],
                     help="allocation strengths to try (0: as shipped; negative: against the measure, a control)")
     ap.add_argument("--step", type=float, default=0.1, help="on-rate moved per standard deviation of log gain")
-    ap.add_argument("--text-file", default=None, help="raw text (default: the data root's wikitext-2/wiki.valid.raw)")
-    ap.add_argument("--calib-tokens", type=int, default=4096)
-    ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--sens-tokens", type=int, default=4096)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF; unset: $WIDE_SMOLLM2_GGUF, else the cache")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", required=True, help="output .json (a .md table goes beside it)")
     a = ap.parse_args(argv)
     if not 0.0 < a.capacity <= 1.0:
         ap.error("--capacity must be in (0, 1]")
@@ -208,19 +196,11 @@ def main(argv=None) -> dict:
                      "capacity_eval_per_layer": {k: cap_e[f"{k}_per_layer"] for k in KINDS}, "nll": nll})
         print(f"lam {lam:+g}: calib capacity {cap_c['overall']:.4f}, eval capacity {cap_e['overall']:.4f}, "
               f"NLL {nll:.4f} (ratio {math.exp(nll - dense):.3f})", flush=True)
-    rec = {"command": command_line(argv, prog="python benchmarks/layer_allocation.py"),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(a.device),
-           "routers": a.routers, "routers_file": str(src), "lora": None if lora is None else str(lora),
-           "capacity": a.capacity, "step": a.step, "text_file": text, "calib_tokens": calib.numel(),
-           "eval_tokens": evalb.numel(), "sens_tokens": sens.numel(), "seq_len": a.seq_len, "dense_nll": dense,
-           "sens_nll_as_shipped": sens_nll, "sens_capacity_as_shipped": sens_cap["overall"], "gains": gain_rows,
-           "rows": rows, "seconds": round(time.time() - t0, 1)}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rec, indent=1))
-    out.with_suffix(".md").write_text(table(rec))
-    print(table(rec))
-    return rec
+    rec = set_record(a, argv, "python benchmarks/layer_allocation.py", src, lora, text, t0, step=a.step,
+                     calib_tokens=calib.numel(), eval_tokens=evalb.numel(), sens_tokens=sens.numel(),
+                     seq_len=a.seq_len, dense_nll=dense, sens_nll_as_shipped=sens_nll,
+                     sens_capacity_as_shipped=sens_cap["overall"], gains=gain_rows, rows=rows)
+    return write_record(rec, a.out, table)
 
 
 if __name__ == "__main__":

@@ -307,6 +307,27 @@ def test_recalibrate_capacity_script_moves_a_free_set_to_the_target(monkeypatch,
     assert split["capacity_after"]["attn"] == pytest.approx(0.9, abs=0.05) and set(split["offset"]) == {"attn", "ffn"}
 
 
+def fake_set_on_text(monkeypatch, n_blocks: int, seq_len: int = 32):
+    """A tiny SmolLM2-shaped model, random free routers calibrated to capacity 0.5 on its first two blocks, and
+    random blocks, served by a stand-in for training.convert.free_routers_on_text (what the benchmark scripts on a
+    trained set load). Returns (model, routers, blocks, what the scripts asked for, the routers' state before)."""
+    from wide_compile.training import convert as tconv
+
+    model = tiny_model("smollm2", seed=3)
+    free = _random_free(model, FREE_WIDE)
+    blocks = torch.randint(0, 128, (n_blocks, seq_len), generator=torch.Generator().manual_seed(2))
+    free.calibrate_(model, blocks[:2], capacity=0.5)
+    before = {k: v.clone() for k, v in free.state_dict().items()}
+    asked = {}
+
+    def fake(routers, lora, n, s, *a, **k):
+        asked.update(n_blocks=n, seq_len=s, text_file=k.get("text_file"))
+        return model, free, blocks, "src.safetensors", None
+
+    monkeypatch.setattr(tconv, "free_routers_on_text", fake)
+    return model, free, blocks, asked, before
+
+
 def test_capacity_split_script_rows(monkeypatch, tmp_path):
     """benchmarks/capacity_split.py on a tiny model: every row keeps the overall capacity on the calibration
     blocks, a split row sets the attention capacity, each row is scored on the evaluation blocks only (disjoint
@@ -319,20 +340,7 @@ def test_capacity_split_script_rows(monkeypatch, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import capacity_split
 
-    from wide_compile.training import convert as tconv
-
-    model = tiny_model("smollm2", seed=3)
-    free = _random_free(model, FREE_WIDE)
-    blocks = torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(2))
-    free.calibrate_(model, blocks[:2], capacity=0.5)
-    before = {k: v.clone() for k, v in free.state_dict().items()}
-    asked = {}
-
-    def fake(routers, lora, n_blocks, seq_len, *a, **k):
-        asked.update(n_blocks=n_blocks, seq_len=seq_len, text_file=k.get("text_file"))
-        return model, free, blocks, "src.safetensors", None
-
-    monkeypatch.setattr(tconv, "free_routers_on_text", fake)
+    model, free, blocks, asked, before = fake_set_on_text(monkeypatch, 6)
     out = tmp_path / "split.json"
     rec = capacity_split.main(["--routers", "x", "--capacity", "0.6", "--attn-targets", "0.3", "0.9",
                                "--calib-tokens", "64", "--eval-tokens", "128", "--seq-len", "32",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_convert import FREE_WIDE, _random_free
+from test_convert import FREE_WIDE, _random_free, fake_set_on_text
 from wide_compile.models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -38,21 +38,8 @@ def test_nll_and_capacity_are_the_lm_loss_and_the_measured_capacity():
 
 
 def test_layer_allocation_script_rows(monkeypatch, tmp_path):
-    from wide_compile.training import convert as tconv
-
-    model = tiny_model("smollm2", seed=3)
+    model, free, blocks, asked, before = fake_set_on_text(monkeypatch, 8)
     L = model.config.num_hidden_layers
-    free = _random_free(model, FREE_WIDE)
-    blocks = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))
-    free.calibrate_(model, blocks[:2], capacity=0.5)
-    before = {k: v.clone() for k, v in free.state_dict().items()}
-    asked = {}
-
-    def fake(routers, lora, n_blocks, seq_len, *a, **k):
-        asked.update(n_blocks=n_blocks, seq_len=seq_len, text_file=k.get("text_file"))
-        return model, free, blocks, "src.safetensors", None
-
-    monkeypatch.setattr(tconv, "free_routers_on_text", fake)
     out = tmp_path / "alloc.json"
     rec = layer_allocation.main(["--routers", "x", "--capacity", "0.6", "--lams", "0", "1", "-1",
                                  "--calib-tokens", "64", "--eval-tokens", "128", "--sens-tokens", "64",
