@@ -16,6 +16,8 @@ captured 20 times in one CUDA graph and timed per call (bench_gemv.timed: median
                 tensor-core GEMM over the weight as a bf16 pair, fp32 output, the threshold): WIDE unfused
   fused rows    the fused kernel, one program per token row
   fused tiles   the fused kernel's tiles form (rows in tiles, the router's dots on tensor cores): its default here
+  fused tiles BTxBG  the same with BT rows and BG router rows per program (TILE_SWEEP, the ones that differ from
+                the default and do not exceed the router)
 
 Writes DIR/norm-router.json and DIR/norm-router.md (command, GPU, date). --dry-run runs every row once on the CPU
 through the interpreter and checks the fused outputs against the reference: a check that the script runs, not a
@@ -38,6 +40,17 @@ SHAPES = [("smollm2-135m ffn (24 groups)", 576, 24), ("smollm2-135m attention (9
           ("llama-3.1-8b ffn (112 groups)", 4096, 112)]
 SHAPES_DRY = [("tiny", 300, 3)]  # splits 1 to 3
 SPLITS = (1, 2, 3, 4, 8, 16, 32, 64, 112)
+TILE_SWEEP = ((16, 16), (16, 32), (16, 64), (32, 32), (32, 64), (32, 128), (64, 64))
+
+
+def swept_tiles(T: int, D: int, G: int, dtype) -> dict:
+    """{label: launch options} of the tiles form's sweep rows at a prefill size: TILE_SWEEP's (rows, router rows)
+    other than the default's, with router tiles no wider than the router needs (16, or up to twice G)."""
+    from wide_compile.kernels import norm_router as NR
+
+    chosen = NR.tile_sizes(T, D, G, dtype)[:2]
+    return {f"fused tiles {bt}x{bg}": dict(tiles=True, tile=(bt, bg)) for bt, bg in TILE_SWEEP
+            if (bt, bg) != chosen and bg <= max(16, 2 * G)}
 
 
 def main(argv=None):
@@ -91,6 +104,7 @@ def main(argv=None):
             if prefill:
                 default = "fused tiles"
                 fused = {"fused rows": dict(tiles=False), "fused tiles": dict(tiles=True)}
+                fused.update(swept_tiles(T, D, G, dt))
             else:
                 s0 = NR.row_splits(T, D, G)[0]
                 default = f"fused S={s0}"

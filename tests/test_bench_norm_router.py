@@ -19,6 +19,18 @@ def test_dry_run_writes_every_split(tmp_path):
         assert sum(r["default"] for r in rows if r["T"] == T) == 1
     # a prefill size: the unfused split router, the fused kernel's rows and tiles forms (the tiles its default)
     got = [r["variant"] for r in rows if r["T"] == 130]
-    assert got == ["norm", "norm+router", "norm+split router", "fused rows", "fused tiles"]
+    assert got == ["norm", "norm+router", "norm+split router", "fused rows", "fused tiles"]  # G = 3: no other tile
     assert [r["variant"] for r in rows if r["T"] == 130 and r["default"]] == ["fused tiles"]
     assert "| tiny | 3 | fused S=3" in (tmp_path / "norm-router.md").read_text()
+
+
+def test_swept_tiles_at_the_model_shapes():
+    import torch
+
+    import bench_norm_router as B
+
+    smol = B.swept_tiles(2048, 576, 24, torch.bfloat16)      # default 16 x 32; router tiles up to 48 -> 16, 32
+    assert list(smol) == ["fused tiles 16x16", "fused tiles 32x32"]
+    big = B.swept_tiles(2048, 4096, 224, torch.bfloat16)     # default 32 x 64
+    assert "fused tiles 32x64" not in big and "fused tiles 32x128" in big and len(big) == len(B.TILE_SWEEP) - 1
+    assert all(v["tiles"] and v["tile"] for v in big.values())

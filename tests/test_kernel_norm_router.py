@@ -132,6 +132,14 @@ def test_tiles_form_of_32_rows(monkeypatch, dtype, router_input):
     check(70, 72, 70, 5, "linear", router_input, dtype, seed=3, add=True, tiles=True)
 
 
+@pytest.mark.parametrize("tile", [(16, 16), (32, 128), (64, 32)])
+def test_tiles_form_of_forced_tiles(tile):
+    """The sweep's tile choices (rows, router rows per program): one router tile wider than G, rows over two."""
+    check(70, 40, 70, 5, "linear", "residual", torch.bfloat16, seed=5, add=True, tiles=True, tile=tile)
+    with pytest.raises(ValueError, match="powers of two >= 16"):
+        check(70, 40, 70, 5, "linear", "residual", torch.bfloat16, tiles=True, tile=(8, 16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiles_all_on_all_off_and_one_group(dtype):
     assert check(40, 24, 3, 4, "linear", "normed", dtype, bias_shift=100.0, tiles=True).all()

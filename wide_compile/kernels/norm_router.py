@@ -387,16 +387,20 @@ def tile_sizes(T: int, D: int, G: int, dtype: torch.dtype) -> tuple[int, int, in
     return BT, BG, BD
 
 
-def _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap):
-    # a linear router at prefill: programs over (row tiles, router tiles), one launch
+def _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, tile=None):
+    # a linear router at prefill: programs over (row tiles, router tiles), one launch; tile: (BT, BG) forced
     T, D = x.shape
     G = w.shape[0]
     BT, BG, BD = tile_sizes(T, D, G, x.dtype)
+    if tile is not None:
+        BT, BG = tile
+        if min(BT, BG) < 16 or BT & (BT - 1) or BG & (BG - 1):
+            raise ValueError(f"rmsnorm_router: tile (rows, router rows) must be powers of two >= 16, got {tile}")
     _launcher(_rmsnorm_router_tiles_kernel, wrap)[(triton.cdiv(T, BT), triton.cdiv(G, BG))](
         x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w.contiguous(),
         b if b is not None else w, T, D, x.stride(0), y.stride(0), float(eps), G=G, BT=BT, BG=BG, BD=BD,
         RESIDUAL=router_input == "residual", HAS_B=b is not None, HAS_ADD=r is not None,
-        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), num_warps=4)
+        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), num_warps=4 if BT * BG <= 2048 else 8)
 
 
 def _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, split, block_d):
@@ -413,9 +417,9 @@ def _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, split
 
 
 def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, b2, wrap: bool,
-            split: Optional[int], block_d: Optional[int], tiles: Optional[bool] = None):
+            split: Optional[int], block_d: Optional[int], tiles: Optional[bool] = None, tile=None):
     # (x + r or None, y, mask): the kernel on x's rows, with the residual add when r is given; tiles: a linear
-    # router's form (None: the tiles from TILE_MIN_T rows on)
+    # router's form (None: the tiles from TILE_MIN_T rows on); tile: the tiles form's (BT, BG)
     T, D = x.shape
     G = check_router(kind, router_input, D, w1, b1, w2, b2)
     R = w1.shape[0]
@@ -429,7 +433,7 @@ def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, 
     mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
     if kind == "linear":
         if (T >= TILE_MIN_T and split is None) if tiles is None else tiles:
-            _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap)
+            _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap, tile)
         else:
             _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w1, b1, wrap, split, block_d)
         return xs, y, mask
@@ -452,21 +456,22 @@ def _launch(x, r, w_norm, eps: float, router_input: str, kind: str, w1, b1, w2, 
 
 def rmsnorm_router_triton(x, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None, b2=None,
                           wrap: bool = False, split: Optional[int] = None, block_d: Optional[int] = None,
-                          tiles: Optional[bool] = None):
+                          tiles: Optional[bool] = None, tile=None):
     """x [T, D] (any float dtype), w_norm [D] -> (y [T, D] in x's dtype, mask [T, G] bool): one launch, or two
     where w1 is large (num_splits; `split` forces the programs per row and `block_d` the column tile, for
     tests). A linear router from TILE_MIN_T rows on runs as tiles of rows, its dots on tensor cores where x is bf16
-    (`tiles` forces the form, for tests)."""
-    _, y, mask = _launch(x, None, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d, tiles)
+    (`tiles` forces the form and `tile` its (rows, router rows) per program, for tests and sweeps)."""
+    _, y, mask = _launch(x, None, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d, tiles,
+                         tile)
     return y, mask
 
 
 def add_rmsnorm_router_triton(a, b, w_norm, eps: float, router_input: str, kind: str, w1, b1=None, w2=None,
                               b2=None, wrap: bool = False, split: Optional[int] = None,
-                              block_d: Optional[int] = None, tiles: Optional[bool] = None):
+                              block_d: Optional[int] = None, tiles: Optional[bool] = None, tile=None):
     """a, b [T, D] (one dtype) -> (x = a + b, y = RMSNorm(x), mask = router(y or x)): the residual add in the
     same launch(es) as rmsnorm_router_triton."""
-    return _launch(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d, tiles)
+    return _launch(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2, wrap, split, block_d, tiles, tile)
 
 
 def rmsnorm_router_dispatch(x, w_norm, eps, router_input, kind, w1, b1: Optional[torch.Tensor] = None,
