@@ -47,7 +47,8 @@ from wide_compile.kernels import reference as R  # noqa: E402
 from wide_compile.kernels.compact_attn import o_proj_triton, q_proj_triton  # noqa: E402
 from wide_compile.kernels.compact_mlp import default_config, mlp_triton  # noqa: E402
 from wide_compile.helpfmt import HelpFormatter  # noqa: E402
-from wide_compile.kernels.tuning import FIELDS, KernelTuning, as_arg, device_key, resolve, CONFIG_DIR  # noqa: E402
+from wide_compile.kernels.tuning import (FIELDS, OPTIONAL_FIELDS, KernelTuning, as_arg, device_key,  # noqa: E402
+                                         resolve, CONFIG_DIR)
 
 CORR_PS = (0.1, 0.01)
 MASK_KINDS = ("random",) + tuple(f"corr_p{p}" for p in CORR_PS) + ("fitted", "trained")
@@ -442,7 +443,7 @@ def tuned_table(tuning, var, device: str) -> KernelTuning:
         if not ok:
             continue
         best = json.loads(min(ok, key=ok.get))
-        rows[T] = {**tuning.row(T, 1 << 30), **{k: v for k, v in best.items() if k in FIELDS}}
+        rows[T] = {**tuning.row(T, 1 << 30), **{k: v for k, v in best.items() if k in FIELDS + OPTIONAL_FIELDS}}
     return KernelTuning(device, tuple(sorted(rows.items())))
 
 
@@ -467,12 +468,15 @@ VARIANTS = {
           + [dict(path="sorted", up_bm=bm, up_bk=bk, up_warps=w, up_stages=st)
              for (bm, bk, w, st) in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 5), (128, 128, 8, 3),
                                      (64, 64, 4, 4), (64, 128, 4, 3)]]
-          + [dict(path="sorted", group_g=g) for g in (4, 64)],
+          + [dict(path="sorted", group_g=g) for g in (4, 64)]
+          # gate and up in one dot of twice the columns per K step
+          + [dict(path="sorted", up_fuse=True, up_bm=bm, up_warps=w, up_stages=st)
+             for (bm, w, st) in [(128, 4, 3), (128, 8, 3), (128, 8, 4), (64, 4, 4)]],
     8192: [dict(group_g=g) for g in (4, 64)] + [dict(group_m=g) for g in (4, 16)]
           + [dict(up_bk=bk, up_warps=w, up_stages=st) for (bk, w, st) in [(64, 8, 4), (128, 8, 3), (32, 4, 5)]]
           + [dict(dn_bm=bm, dn_bn=bn, dn_warps=w, dn_stages=st)
              for (bm, bn, w, st) in [(128, 256, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3)]]
-          + [dict(path="tile")],
+          + [dict(path="tile")] + [dict(up_fuse=True), dict(up_fuse=True, up_warps=8, up_stages=4)],
 }
 
 

@@ -115,6 +115,18 @@ def test_mlp_configs_odd_sizes(cfg):
 
 
 @pytest.mark.parametrize("T,path,density,dtype", covering(
+    [(3, "sorted"), (37, "sorted"), (130, "sorted"), (37, "tile"), (1, "decode")], DENSITIES, DTYPES), ids=case_id)
+def test_mlp_gate_and_up_in_one_dot(T, path, density, dtype):
+    """Config up_fuse: the gate and up rows interleaved into one weight tile, one dot per K step, the accumulator
+    split back into the pair; odd D, a group size not a multiple of the column tile, every density (all-off
+    included), with the GeGLU activation too."""
+    cfg = {"path": path, "up_fuse": True, "up_bn": 16}
+    mlp_case(T, D=27, G=3, gs=24, density=density, dtype=dtype, config=cfg, seed=T)
+    if T == 37:
+        mlp_case(T, D=27, G=3, gs=24, density=0.5, dtype=dtype, config=cfg, seed=T, act="gelu_tanh")
+
+
+@pytest.mark.parametrize("T,path,density,dtype", covering(
     [(1, "decode"), (3, "decode"), (16, "decode"), (17, "tile"), (130, "tile")], DENSITIES, DTYPES), ids=case_id)
 def test_mlp_without_reorder_lists(T, path, density, dtype):
     # lists="none": the kernels read the mask themselves (no tile-list launch); inactive groups exit or
@@ -207,6 +219,14 @@ def test_mask_reorder_triton(T, G, density, block_m):
 @pytest.mark.parametrize("T", [1, 8, 300, 2048])
 def test_mlp_default_path_large(T, density, dtype):
     mlp_case(T, D=576, G=24, gs=64, density=density, dtype=dtype, config=None, seed=T)
+
+
+@gpu_only
+@pytest.mark.parametrize("cfg", [dict(path="sorted", up_fuse=True), dict(path="sorted", up_fuse=True, up_warps=8),
+                                 dict(path="sorted", up_fuse=True, up_bm=64), dict(path="tile", up_fuse=True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_gate_and_up_in_one_dot_large(cfg, dtype):
+    mlp_case(1000, D=1024, G=44, gs=64, density=0.5, dtype=dtype, config=cfg, seed=3)
 
 
 @gpu_only

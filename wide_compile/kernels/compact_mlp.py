@@ -35,10 +35,27 @@ from .tuning import DECODE_T, interpreting, resolve, with_phase_overrides  # noq
 @triton.jit
 def gather_gemm(a_rows, w1_rows, w2_rows, rvalid, cvalid, D, stride_ak, stride_w1k, stride_w2k,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, PREC: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, FUSE_GU: tl.constexpr = False):
     # a_rows [BM, 1]: pointers to the gathered input rows, w1_rows / w2_rows [BN, 1]: to the gathered weight
     # rows; over K = D -> (acc1 = a @ w1^T, acc2 = a @ w2^T when GATED, else zeros), fp32 [BM, BN]: the K loop of
-    # the gather GEMMs (compact_mlp's and bucket_mlp's)
+    # the gather GEMMs (compact_mlp's and bucket_mlp's). FUSE_GU (GATED, both weights with stride_w1k): the gate and
+    # up rows interleaved into one [2 BN, BK] tile (row 2c gate channel c, 2c + 1 up channel c), one dot of
+    # N = 2 BN per K step instead of two of BN, the accumulator split back into the pair at the end
+    if GATED and FUSE_GU:
+        w_rows = tl.reshape(tl.join(w1_rows, w2_rows), [2 * BN, 1])
+        cv2 = tl.reshape(tl.join(cvalid, cvalid), [2 * BN])
+        acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            k = k0 + tl.arange(0, BK)
+            kv = k < D
+            a = tl.load(a_rows + k[None, :] * stride_ak, mask=rvalid[:, None] & kv[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(w_rows + k[None, :] * stride_w1k, mask=cv2[:, None] & kv[None, :], other=0.0)  # [2BN, BK]
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        acc1, acc2 = tl.split(tl.reshape(acc, [BM, BN, 2]))
+        return acc1, acc2
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, D, BK):
@@ -66,7 +83,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SORTED: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ZERO_INACTIVE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    GROUP_G: tl.constexpr, LISTS: tl.constexpr, ACT: tl.constexpr):
+                    GROUP_G: tl.constexpr, LISTS: tl.constexpr, ACT: tl.constexpr, FUSE_GU: tl.constexpr):
     if SORTED:
         # program -> (group g, k-th block of g's token list), swizzled in super-blocks of GROUP_G
         # groups so that concurrent programs share weights (same g) and x rows (same k range).
@@ -113,7 +130,7 @@ def _ngather_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, mask_ptr,
     cols64 = cols.to(tl.int64)
     acc1, acc2 = gather_gemm(x_ptr + rows64[:, None] * stride_x, w1_ptr + cols64[:, None] * stride_w,
                              w2_ptr + cols64[:, None] * stride_w, rvalid, cvalid, D, 1, 1, 1,
-                             BM, BN, BK, GATED, PREC, UPCAST)
+                             BM, BN, BK, GATED, PREC, UPCAST, FUSE_GU)
     if GATED:
         y = gated_act(acc1, acc2, ACT)
     else:
@@ -290,6 +307,9 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
     k = _launcher(_ngather_kernel, wrap)
     w2_ = w2 if w2 is not None else w1
     b_ = bias if bias is not None else w1
+    # config up_fuse: gate and up in one dot per K step (gather_gemm's FUSE_GU); the kernel reads both weights
+    # with w1's row stride and unit column stride, as it always does
+    fuse_gu = bool(gated and cfg.get("up_fuse", False))
     if cfg["path"] == "sorted":
         sorted_ids, bgroups, ntpp, gblk = group_lists_triton(mask8, bm, wrap, True)
         k[(bgroups.shape[0], nsub)](
@@ -297,7 +317,7 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=True, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], LISTS=True,
-            ACT=act_id, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ACT=act_id, FUSE_GU=fuse_gu, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     else:
         use_lists, tg, tc = _tile_lists(cfg, mask8, bm, wrap, lists)
         k[(triton.cdiv(T, bm), G, nsub)](
@@ -305,7 +325,7 @@ def ngather(x, w1, w2, bias, out, mask8, G, GS, cfg, gated, zero_inactive, wrap,
             T, D, x.stride(0), w1.stride(0), out.stride(0),
             G=G, GS=GS, BM=bm, BN=bn, BK=bk, SORTED=False, GATED=gated, HAS_BIAS=bias is not None,
             ZERO_INACTIVE=zero_inactive, PREC=prec, UPCAST=_interpret(), GROUP_G=cfg["group_g"], LISTS=use_lists,
-            ACT=act_id, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+            ACT=act_id, FUSE_GU=fuse_gu, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
 
 
 def kskip(a, w_t, bias, mask8, G, GS, cfg, out_dtype, wrap, lists=None):

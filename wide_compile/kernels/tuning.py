@@ -28,6 +28,8 @@ GROUP_CAPPED = ("up_bn", "dn_bk")
 DOT_MIN = {"dn_bk": 16}
 FIELDS = ("path", "down", "up_bm", "up_bn", "up_bk", "up_warps", "up_stages", "dn_bm", "dn_bn", "dn_bk",
           "dn_split", "dn_warps", "dn_stages", "group_g", "group_m")
+# Fields a row may add (absent: off): up_fuse, the gate and up rows in one dot (compact_mlp.gather_gemm's FUSE_GU)
+OPTIONAL_FIELDS = ("up_fuse",)
 
 
 def with_phase_overrides(cfg: dict, over: Optional[Mapping]) -> dict:
