@@ -230,6 +230,8 @@ def test_mlp_bucket_activations(act, dtype):
     (40, dict(up_bn=32, dn_bk=32)),                               # group size not a multiple of the K tile
     (16, dict(block_m=32, up_bn=32, up_bk=32, dn_bn=32, group_m=1)),
     (48, dict(dn_bk=64, up_bk=64, group_m=3)),                    # a K tile wider than the group
+    (24, dict(up_fuse=True)),                                     # gate and up in one dot
+    (24, dict(up_fuse=True, h_layout="global", prefill_lists="union", union_max_t=0)),
 ])
 def test_mlp_bucket_tiles_and_group_sizes(gs, config):
     out, args = run_case(45, D=33, G=3, gs=gs, P=5, dtype=torch.float32, bucket_kind="skewed", config=config, seed=gs)

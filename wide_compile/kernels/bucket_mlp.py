@@ -83,14 +83,17 @@ CONFIGS = {
     "cuda": {
         "decode": dict(block_m=16, up_bn=32, up_bk=128, up_warps=4, up_stages=4,
                        dn_bn=32, dn_bk=64, dn_warps=4, dn_stages=4, group_m=1, union_max_t=DECODE_T,
-                       one_token="gemv", few_tokens="dense", prefill_lists="union", h_layout="compact"),
+                       one_token="gemv", few_tokens="dense", prefill_lists="union", h_layout="compact",
+                       up_fuse=False),
         "prefill": dict(block_m=128, up_bn=128, up_bk=64, up_warps=8, up_stages=3,
                         dn_bn=128, dn_bk=64, dn_warps=8, dn_stages=4, group_m=8, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="dense", prefill_lists="union", h_layout="compact"),
+                        one_token="gemv", few_tokens="dense", prefill_lists="union", h_layout="compact",
+                        up_fuse=False),
     },
     "interpreter": dict(block_m=16, up_bn=16, up_bk=16, up_warps=1, up_stages=1,
                         dn_bn=16, dn_bk=16, dn_warps=1, dn_stages=1, group_m=2, union_max_t=DECODE_T,
-                        one_token="gemv", few_tokens="union", prefill_lists="padded", h_layout="compact"),
+                        one_token="gemv", few_tokens="union", prefill_lists="padded", h_layout="compact",
+                        up_fuse=False),
 }
 CONFIG_KEYS = tuple(CONFIGS["interpreter"])
 SWEEP = {
@@ -111,6 +114,8 @@ SWEEP = {
         dict(h_layout="global"),
         dict(h_layout="global", up_bn=64, up_warps=4, up_stages=4),
         dict(h_layout="global", block_m=64, up_bn=64, up_warps=4, up_stages=4, dn_warps=4),
+        # gate and up in one dot (compact_mlp.gather_gemm's FUSE_GU)
+        dict(up_fuse=True), dict(h_layout="global", up_fuse=True, up_bn=64, up_warps=8, up_stages=3),
     ),
 }
 H_LAYOUTS = ("compact", "global")
@@ -373,7 +378,7 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
                             stride_w2n, stride_w2k, stride_om, G: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, UNION: tl.constexpr, ACT: tl.constexpr,
-                            PREC: tl.constexpr, UPCAST: tl.constexpr, GLOBAL: tl.constexpr):
+                            PREC: tl.constexpr, UPCAST: tl.constexpr, GLOBAL: tl.constexpr, FUSE_GU: tl.constexpr):
     # N = the bucket's groups' output columns. GATED: act(x W1^T) * (x W2^T) (the MLP's gate/up), else x W1^T + b.
     # SCATTER=False: compact store (column block j = the prototype's j-th active group) at the block's rows;
     # SCATTER=True: store at the tokens' rows and the groups' own columns, zeros on the inactive groups (q_proj).
@@ -441,7 +446,7 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
         omask = cvalid[None, :]  # padding rows too (act(0) * 0 = 0): the down kernel reads whole blocks
     acc1, acc2 = gather_gemm(x_ptr + tok64[:, None] * stride_xm, w1_ptr + wrow[:, None] * stride_w1n,
                              w2_ptr + wrow[:, None] * stride_w2n, tvalid, cvalid, D, stride_xk, stride_w1k,
-                             stride_w2k, BM, BN, BK, GATED, PREC, UPCAST)
+                             stride_w2k, BM, BN, BK, GATED, PREC, UPCAST, FUSE_GU)
     if GATED:
         y = gated_act(acc1, acc2, ACT)
     else:
@@ -621,7 +626,8 @@ def gather_n_triton(x, w1, w2, bias, out, lists: BucketLists, group_size: int, c
         out.stride(0), G=F // group_size, GS=group_size, BM=cfg["block_m"], BN=cfg["up_bn"], BK=cfg["up_bk"],
         GROUP_M=cfg["group_m"], GATED=gated, HAS_BIAS=bias is not None, SCATTER=scatter, UNION=lists.union,
         ACT=ACT_IDS[act], PREC=_prec(x.dtype), UPCAST=_upcast(x.dtype),
-        GLOBAL=cfg["h_layout"] == "global", num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+        GLOBAL=cfg["h_layout"] == "global", FUSE_GU=bool(gated and cfg["up_fuse"] and w1.stride(1) == w2.stride(1)),
+        num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
     return out
 
 
