@@ -191,7 +191,10 @@ def test_refused_block_runs_the_free_mask_ops_and_says_why(monkeypatch):
         torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     ex, ops = _ops_after(cm)
     L = routers.spec.num_layers
-    assert ops["wide_o_proj_nd"] == L and ops["wide_q_proj_nd"] == L and ops["wide_o_proj_bucket_nd"] == 0
+    # q on the free-mask path: wide.q_proj, or unmasked where that path is dense-masked at a static token count
+    # (o_proj's mask routes the block); which one depends on whether Dynamo traced this size statically
+    assert ops["wide_q_proj_nd"] + ex.counts.get("rewrite_attention.q_unmasked", 0) == L
+    assert ops["wide_o_proj_nd"] == L and ops["wide_o_proj_bucket_nd"] == 0
     assert ops["wide_mlp_bucket_nd"] == L and ex.counts["rewrite_attention.bucket_refused"] == L
     assert all("refused for the test" in r["attn"]["detail"] and r["attn"]["ops"]["o"] == "o_proj"
                for r in ex.layers)
