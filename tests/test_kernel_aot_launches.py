@@ -125,6 +125,17 @@ def _cases():
     cases["mlp_bucket union_blocks T=2048"] = lambda: bucket_mlp.mlp_bucket_triton(
         t(2048, D), t(F, D), t(F, D), t(D, F), bucket(2048, 16), protos(16, F // FGS), FGS,
         config=dict(prefill_lists="union"))
+    cases["mlp_bucket global h, gate and up in one dot T=2048"] = lambda: bucket_mlp.mlp_bucket_triton(
+        t(2048, D), t(F, D), t(F, D), t(D, F), bucket(2048, 16), protos(16, F // FGS), FGS,
+        config=dict(prefill_lists="union", h_layout="global", up_fuse=True))
+    cases["q_proj_bucket global T=2048"] = lambda: bucket_attn.q_proj_bucket_triton(
+        t(2048, D), t(HQ * HD, D), None, bucket(2048, 16), protos(16, HQ // HGS), HGS * HD,
+        config=dict(h_layout="global"))
+    cases["mlp gate and up in one dot T=2048"] = lambda: compact_mlp.mlp_triton(
+        t(2048, D), t(F, D), t(F, D), t(F, D), mask(2048, F // FGS), FGS, config=dict(up_fuse=True, up_warps=8))
+    cases["add_rmsnorm_router tiles 32x128 T=2048"] = lambda: norm_router.add_rmsnorm_router_triton(
+        t(2048, D), t(2048, D), t(D), 1e-5, "normed", "linear", t(F // FGS, D, dtype=torch.float32),
+        t(F // FGS, dtype=torch.float32), tiles=True, tile=(32, 128))
     cases["gated_select T=16"] = lambda: dense_masked.gated_select_triton(t(16, F), t(16, F), mask(16, F // FGS), FGS)
     cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
                                                            None, HGS * HD)
@@ -190,6 +201,8 @@ CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", 
                                                                   "o_proj_bucket", "rmsnorm_router",
                                                                   "add_rmsnorm_router", "add_rmsnorm_router mlp")]
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
+              + ["mlp_bucket global h, gate and up in one dot T=2048", "q_proj_bucket global T=2048",
+                 "mlp gate and up in one dot T=2048", "add_rmsnorm_router tiles 32x128 T=2048"]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 

@@ -47,7 +47,8 @@ def compile_gather(cfg, D_, F_, GS, dt):
             "stride_w": "i32", "stride_o": "i32"}
     consts = dict(G=F_ // GS, GS=GS, BM=cfg["up_bm"], BN=cfg["up_bn"], BK=cfg["up_bk"], SORTED=cfg["path"] == "sorted",
                   GATED=True, HAS_BIAS=False, ZERO_INACTIVE=False, PREC=cm._prec(dt), UPCAST=False,
-                  GROUP_G=cfg["group_g"], LISTS=cfg.get("lists", "kernel") != "none", ACT=cm.ACT_IDS["silu"])
+                  GROUP_G=cfg["group_g"], LISTS=cfg.get("lists", "kernel") != "none", ACT=cm.ACT_IDS["silu"],
+                  FUSE_GU=bool(cfg.get("up_fuse", False)))
     return _compile(cm._ngather_kernel, args, consts, cfg["up_warps"], cfg["up_stages"])
 
 
@@ -83,6 +84,12 @@ def measure(cases):
         cfg = cm.kernel_config(1, 4096, 14336, 64, 4096, {"lists": "none"}, elem_size=dt.itemsize, device="cpu")
         out[f"no-lists/{dts}"] = (compile_gather(cfg, 4096, 14336, 64, dt).metadata.shared,
                                   compile_kskip(cfg, 14336, 64, dt).metadata.shared, cfg)
+    for dts in ("bf16", "fp32"):  # the prefill gather with gate and up in one dot (config up_fuse), 8 warps too
+        dt = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dts])
+        for warps in (4, 8):
+            cfg = cm.kernel_config(2048, 4096, 14336, 64, 4096, {"up_fuse": True, "up_warps": warps},
+                                   elem_size=dt.itemsize, device="cpu")
+            out[f"up-fuse-{warps}w/{dts}"] = (compile_gather(cfg, 4096, 14336, 64, dt).metadata.shared, None, cfg)
     raw = cm.default_config(1, 576, 1536, 64, 576)
     out["unfitted-fp32-decode"] = (compile_gather(raw, 576, 1536, 64, torch.float32).metadata.shared, None, raw)
     return out
@@ -99,7 +106,8 @@ def measured():
     return json.loads(line[3:])
 
 
-@pytest.mark.parametrize("case", [f"{a}/{b}/{c}" for a, b, c in CASES] + ["no-lists/bf16", "no-lists/fp32"])
+@pytest.mark.parametrize("case", [f"{a}/{b}/{c}" for a, b, c in CASES] + ["no-lists/bf16", "no-lists/fp32"]
+                         + [f"up-fuse-{w}w/{d}" for w in (4, 8) for d in ("bf16", "fp32")])
 def test_fitted_configs_fit_the_h200(measured, case):
     up, dn, cfg = measured[case]
     assert up <= 0.95 * H200_SMEM, (case, cfg, up)

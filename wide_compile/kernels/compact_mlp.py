@@ -33,45 +33,53 @@ from .tuning import DECODE_T, interpreting, resolve, with_phase_overrides  # noq
 
 
 @triton.jit
+def _gate_up_one_dot(a_rows, w1_rows, w2_rows, rvalid, cvalid, D, stride_ak, stride_wk,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # gather_gemm's FUSE_GU: the gate and up rows interleaved into one [2 BN, BK] tile (row 2c gate channel c,
+    # 2c + 1 up channel c), one dot of N = 2 BN per K step, the accumulator split back into (gate, up) at the end
+    w_rows = tl.reshape(tl.join(w1_rows, w2_rows), [2 * BN, 1])
+    cv2 = tl.reshape(tl.join(cvalid, cvalid), [2 * BN])
+    acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        kv = k < D
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=rvalid[:, None] & kv[None, :], other=0.0)      # [BM, BK]
+        w = tl.load(w_rows + k[None, :] * stride_wk, mask=cv2[:, None] & kv[None, :], other=0.0)        # [2BN, BK]
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    return tl.split(tl.reshape(acc, [BM, BN, 2]))
+
+
+@triton.jit
 def gather_gemm(a_rows, w1_rows, w2_rows, rvalid, cvalid, D, stride_ak, stride_w1k, stride_w2k,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, PREC: tl.constexpr,
-                UPCAST: tl.constexpr, FUSE_GU: tl.constexpr = False):
+                UPCAST: tl.constexpr, FUSE_GU: tl.constexpr):
     # a_rows [BM, 1]: pointers to the gathered input rows, w1_rows / w2_rows [BN, 1]: to the gathered weight
     # rows; over K = D -> (acc1 = a @ w1^T, acc2 = a @ w2^T when GATED, else zeros), fp32 [BM, BN]: the K loop of
-    # the gather GEMMs (compact_mlp's and bucket_mlp's). FUSE_GU (GATED, both weights with stride_w1k): the gate and
-    # up rows interleaved into one [2 BN, BK] tile (row 2c gate channel c, 2c + 1 up channel c), one dot of
-    # N = 2 BN per K step instead of two of BN, the accumulator split back into the pair at the end
+    # the gather GEMMs (compact_mlp's and bucket_mlp's). FUSE_GU (GATED, both weights with stride_w1k): gate and up
+    # in one dot per K step (_gate_up_one_dot)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     if GATED and FUSE_GU:
-        w_rows = tl.reshape(tl.join(w1_rows, w2_rows), [2 * BN, 1])
-        cv2 = tl.reshape(tl.join(cvalid, cvalid), [2 * BN])
-        acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+        acc1, acc2 = _gate_up_one_dot(a_rows, w1_rows, w2_rows, rvalid, cvalid, D, stride_ak, stride_w1k,
+                                      BM, BN, BK, PREC, UPCAST)
+    else:
         for k0 in range(0, D, BK):
             k = k0 + tl.arange(0, BK)
             kv = k < D
             a = tl.load(a_rows + k[None, :] * stride_ak, mask=rvalid[:, None] & kv[None, :], other=0.0)  # [BM, BK]
-            w = tl.load(w_rows + k[None, :] * stride_w1k, mask=cv2[:, None] & kv[None, :], other=0.0)  # [2BN, BK]
-            if UPCAST:
+            w1 = tl.load(w1_rows + k[None, :] * stride_w1k, mask=cvalid[:, None] & kv[None, :], other=0.0)  # [BN, BK]
+            if UPCAST:  # the Triton CPU interpreter mis-computes half-precision dots: exact upcast to fp32
                 a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
-        acc1, acc2 = tl.split(tl.reshape(acc, [BM, BN, 2]))
-        return acc1, acc2
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        k = k0 + tl.arange(0, BK)
-        kv = k < D
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=rvalid[:, None] & kv[None, :], other=0.0)     # [BM, BK]
-        w1 = tl.load(w1_rows + k[None, :] * stride_w1k, mask=cvalid[:, None] & kv[None, :], other=0.0)  # [BN, BK]
-        if UPCAST:  # the Triton CPU interpreter mis-computes half-precision dots: exact upcast to fp32
-            a = a.to(tl.float32)
-            w1 = w1.to(tl.float32)
-        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
-        if GATED:
-            w2 = tl.load(w2_rows + k[None, :] * stride_w2k, mask=cvalid[:, None] & kv[None, :], other=0.0)
-            if UPCAST:
-                w2 = w2.to(tl.float32)
-            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
+                w1 = w1.to(tl.float32)
+            acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=PREC)
+            if GATED:
+                w2 = tl.load(w2_rows + k[None, :] * stride_w2k, mask=cvalid[:, None] & kv[None, :], other=0.0)
+                if UPCAST:
+                    w2 = w2.to(tl.float32)
+                acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=PREC)
     return acc1, acc2
 
 
