@@ -284,7 +284,7 @@ def parse_args(argv=None):
     ap.add_argument("--capacity", type=float, default=0.5, help="share of active (token, group) pairs")
     ap.add_argument("--mask-draw", choices=["exact", "bernoulli"], default="exact",
                     help="free masks and prototypes: exact, round(capacity * G) groups on per row (default), or each "
-                         "group on with probability capacity (the draw before 2026-12-07)")
+                         "group on with probability capacity (the record names the draw)")
     ap.add_argument("--prototypes", type=int, default=None, help="P, prototypes per layer (default 16; dry run 4)")
     ap.add_argument("--dense-mode", default="default",
                     help="torch.compile mode of dense and static (e.g. max-autotune-no-cudagraphs)")

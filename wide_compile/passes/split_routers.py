@@ -43,9 +43,9 @@ class SplitRouters(Pass):
             real = ctx.weights.tensor(w)
             with torch.no_grad():
                 # each half padded to a multiple of PAD_GROUPS rows, so the GEMM's N (2 Gp) is a multiple of 8 as
-                # cuBLAS's tensor-core kernels want: SmolLM2's 9 head groups give N = 18, which ran on an unaligned
-                # cutlass kernel (benchmarks/results/lean-h100/run6/, the SmolLM2 prefill profile). The bias's length
-                # says G to split_logits, so a router without one keeps its halves unpadded
+                # cuBLAS's tensor-core kernels want: SmolLM2's 9 head groups give N = 18, which cuBLAS runs on an
+                # unaligned cutlass kernel (the SmolLM2 prefill profile in benchmarks/results/lean-h100/run6/). The
+                # bias's length says G to split_logits, so a router without one keeps its halves unpadded
                 pad = PAD_GROUPS if b is not None else 1
                 w2 = ctx.weights.constant(("split_router", id(real)), "router_w2",
                                           lambda: split_bf16(real, pad_to=pad), before=blk.mask)
