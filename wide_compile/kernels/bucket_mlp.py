@@ -398,9 +398,6 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
     if not SCATTER:
         if n * BN >= width and not GLOBAL:  # past the bucket's compact width
             return
-        if GLOBAL and not UNION:
-            if p == P:  # the out-of-range ids' bucket: no groups (the down kernel writes its NaN rows)
-                return
     slots = m * BM + tl.arange(0, BM)
     tok = tl.load(sorted_ptr + slots)                                   # [BM], sentinel T = padding
     tvalid = tok < T
@@ -428,20 +425,19 @@ def _bucket_gather_n_kernel(x_ptr, w1_ptr, w2_ptr, b_ptr, out_ptr, sorted_ptr, b
                      mask=(tvalid & id_ok)[:, None] & cvalid[None, :], other=0) != 0   # [BM, BN]: own groups
         if GLOBAL:  # the columns some token of the block needs
             cvalid = cvalid & (tl.max(on.to(tl.int32), axis=0) != 0)
+    if GLOBAL:  # no token of the block needs this tile (the out-of-range ids' bucket needs none)
+        skip = tl.max(cvalid.to(tl.int32), axis=0) == 0
+    else:  # past the active width: only inactive groups' columns
+        skip = n * BN >= width
     if SCATTER:
         optrs = out_ptr + tok64[:, None] * stride_om + wrow[None, :]
         omask = tvalid[:, None] & (c < G * GS)[None, :]
-        if GLOBAL:
-            skip = tl.max(cvalid.to(tl.int32), axis=0) == 0  # no token of the block needs this tile
-        else:
-            skip = n * BN >= width  # past the active width: only inactive groups' columns
         if skip:
             tl.store(optrs, fill.to(out_ptr.dtype.element_ty), mask=omask)
             return
     else:
-        if GLOBAL:
-            if tl.max(cvalid.to(tl.int32), axis=0) == 0:  # no token of the block needs this tile
-                return
+        if skip:  # (the compact layout returned above already)
+            return
         optrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + c[None, :]
         omask = cvalid[None, :]  # padding rows too (act(0) * 0 = 0): the down kernel reads whole blocks
     acc1, acc2 = gather_gemm(x_ptr + tok64[:, None] * stride_xm, w1_ptr + wrow[:, None] * stride_w1n,
