@@ -135,8 +135,9 @@ def write(args, rows, torch):
                 torch=torch.__version__)
     with open(os.path.join(args.out, "norm-router.json"), "w") as f:
         json.dump(dict(info, rows=rows), f, indent=1)
-    lines = [f"# Fused add + RMSNorm + router at decode and prefill sizes ({gpu})", "", f"`{info['command']}`, {info['date']}, "
-             f"torch {info['torch']}. Median us per call, 20 calls per CUDA graph.", "",
+    lines = [f"# Fused add + RMSNorm + router at decode and prefill sizes ({gpu})", "",
+             f"`{info['command']}`, {info['date']}, torch {info['torch']}. Median us per call, 20 calls per CUDA "
+             "graph.", "",
              "| shape | T | variant | us |", "|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['T']} | {r['variant']}{' (default)' if r['default'] else ''} | {r['us']} |"
               for r in rows]

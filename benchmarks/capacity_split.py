@@ -61,6 +61,11 @@ def split_rows(model, routers, calib, evalb, capacity: float, attn_targets, batc
     return rows
 
 
+# the columns capacity_cells fills, after a table's first (the row's label)
+CAPACITY_HEADER = ("capacity (calibration text): overall / attn / ffn | capacity (evaluation text): overall / attn / "
+                   "ffn | NLL | ppl ratio to dense |")
+
+
 def capacity_cells(r: dict, dense_nll: float) -> str:
     """A row's capacities on the calibration and evaluation text, its NLL and ppl ratio, as markdown cells."""
     c, e = r["capacity_calib"], r["capacity_eval"]
@@ -109,8 +114,7 @@ def table(rec: dict) -> str:
     lines = [f"Routers `{rec['routers']}` with LoRA `{rec['lora']}`, overall capacity {rec['capacity']}, "
              f"calibration on {rec['calib_tokens']} / evaluation on {rec['eval_tokens']} tokens of "
              f"`{rec['text_file']}`; dense NLL {rec['dense_nll']:.4f}.", "",
-             "| attention target | capacity (calibration text): overall / attn / ffn | capacity (evaluation text): "
-             "overall / attn / ffn | NLL | ppl ratio to dense |", "|---|---|---|---|---|"]
+             "| attention target | " + CAPACITY_HEADER, "|---|---|---|---|---|"]
     for r in rec["rows"]:
         lines.append(f"| {'global offset' if r['attn_target'] is None else r['attn_target']} | "
                      + capacity_cells(r, rec["dense_nll"]))

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from capacity_split import add_set_args, capacity_cells, set_record, write_record  # noqa: E402
+from capacity_split import CAPACITY_HEADER, add_set_args, capacity_cells, set_record, write_record  # noqa: E402
 
 KINDS = ("attn", "ffn")
 
@@ -143,8 +143,7 @@ def table(rec: dict) -> str:
     lines = [f"Routers `{rec['routers']}` with LoRA `{rec['lora']}`, overall capacity {rec['capacity']}; calibration "
              f"{rec['calib_tokens']}, evaluation {rec['eval_tokens']}, sensitivity {rec['sens_tokens']} tokens of "
              f"`{rec['text_file']}`; dense NLL on the evaluation text {rec['dense_nll']:.4f}.", "",
-             "| lam | capacity (calibration): overall / attn / ffn | capacity (evaluation): overall / attn / ffn | NLL | "
-             "ppl ratio to dense |", "|---|---|---|---|---|"]
+             "| lam | " + CAPACITY_HEADER, "|---|---|---|---|---|"]
     for r in rec["rows"]:
         lines.append(f"| {r['lam']:+g} | " + capacity_cells(r, rec["dense_nll"]))
     lines += ["", "Gain per unit of overall capacity when a router alone runs all-on (sensitivity text):", "",
@@ -153,8 +152,8 @@ def table(rec: dict) -> str:
     fmt = (lambda v: "-" if v is None else f"{v:.3f}")
     for layer in range(max(g["layer"] for g in rec["gains"]) + 1):
         a, f = by[("attn", layer)], by[("ffn", layer)]
-        lines.append(f"| {layer} | {a['kind_capacity']:.3f} | {fmt(a['gain_per_capacity'])} | {f['kind_capacity']:.3f} | "
-                     f"{fmt(f['gain_per_capacity'])} |")
+        lines.append(f"| {layer} | {a['kind_capacity']:.3f} | {fmt(a['gain_per_capacity'])} | "
+                     f"{f['kind_capacity']:.3f} | {fmt(f['gain_per_capacity'])} |")
     return "\n".join(lines) + "\n"
 
 

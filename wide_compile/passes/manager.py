@@ -71,8 +71,8 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
-                 sum_routers: bool = True,
-                 fuse_qkv: bool = True, compose_routers: bool = True, split_routers: bool = True):
+                 sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
+                 split_routers: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
                                                                              split_routers)
