@@ -136,6 +136,10 @@ def _cases():
     cases["add_rmsnorm_router tiles 32x128 T=2048"] = lambda: norm_router.add_rmsnorm_router_triton(
         t(2048, D), t(2048, D), t(D), 1e-5, "normed", "linear", t(F // FGS, D, dtype=torch.float32),
         t(F // FGS, dtype=torch.float32), tiles=True, tile=(32, 128))
+    for router_input, ng in (("normed", 24), ("residual", 9)):  # SmolLM2's width: one-pass rows
+        cases[f"add_rmsnorm_router tiles one pass D=576 G={ng} T=2048"] = lambda ri=router_input, ng=ng: \
+            norm_router.add_rmsnorm_router_triton(t(2048, 576), t(2048, 576), t(576), 1e-5, ri, "linear",
+                                                  t(ng, 576, dtype=torch.float32), t(ng, dtype=torch.float32), tiles=True)
     cases["gated_select T=16"] = lambda: dense_masked.gated_select_triton(t(16, F), t(16, F), mask(16, F // FGS), FGS)
     cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
                                                            None, HGS * HD)
@@ -203,6 +207,7 @@ CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", 
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
               + ["mlp_bucket global h, gate and up in one dot T=2048", "q_proj_bucket global T=2048",
                  "mlp gate and up in one dot T=2048", "add_rmsnorm_router tiles 32x128 T=2048"]
+              + [f"add_rmsnorm_router tiles one pass D=576 G={g} T=2048" for g in (24, 9)]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 

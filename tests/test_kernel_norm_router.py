@@ -132,12 +132,27 @@ def test_tiles_form_of_32_rows(monkeypatch, dtype, router_input):
     check(70, 72, 70, 5, "linear", router_input, dtype, seed=3, add=True, tiles=True)
 
 
-@pytest.mark.parametrize("tile", [(16, 16), (32, 128), (64, 32)])
-def test_tiles_form_of_forced_tiles(tile):
-    """The sweep's tile choices (rows, router rows per program): one router tile wider than G, rows over two."""
-    check(70, 40, 70, 5, "linear", "residual", torch.bfloat16, seed=5, add=True, tiles=True, tile=tile)
+@pytest.mark.parametrize("tile", [(16, 16), (32, 128), (64, 32), (16, 32, 16), (32, 16, 32, 8), (16, 16, 128, 4)])
+@pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
+def test_tiles_form_of_forced_tiles(tile, router_input):
+    """The sweep's tile choices (rows, router rows, column step, warps per program): one router tile wider than G,
+    rows over two, bf16 rows in column steps (two passes) and in one step wider than the row (one pass)."""
+    check(70, 40, 70, 5, "linear", router_input, torch.bfloat16, seed=5, add=True, tiles=True, tile=tile)
     with pytest.raises(ValueError, match="powers of two >= 16"):
         check(70, 40, 70, 5, "linear", "residual", torch.bfloat16, tiles=True, tile=(8, 16))
+    with pytest.raises(ValueError, match="column step"):
+        check(70, 40, 70, 5, "linear", "residual", torch.bfloat16, tiles=True, tile=(16, 16, 24))
+
+
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("router_input", NR.ROUTER_INPUTS)
+def test_tiles_one_pass_at_a_narrow_models_width(router_input, add):
+    """bf16 rows of a SmolLM2-like width (not a power of two) take the one-pass form by default, checked as the
+    same rows in column steps (two passes) are."""
+    T, D, G = 45, 72, 24
+    assert NR.tile_sizes(T, D, G, torch.bfloat16)[2] == 128 >= D
+    check(T, D, G, 5, "linear", router_input, torch.bfloat16, seed=11, add=add, tiles=True)
+    check(T, D, G, 5, "linear", router_input, torch.bfloat16, seed=11, add=add, tiles=True, tile=(16, 32, 16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -148,7 +163,7 @@ def test_tiles_all_on_all_off_and_one_group(dtype):
 
 
 def test_tile_sizes():
-    assert NR.tile_sizes(2048, 576, 24, torch.bfloat16) == (16, 32, 64)      # SmolLM2 FFN: 128 programs of 16 rows
+    assert NR.tile_sizes(2048, 576, 24, torch.bfloat16) == (16, 32, 1024)    # SmolLM2 FFN: 128 programs, one pass
     assert NR.tile_sizes(2048, 4096, 224, torch.bfloat16) == (32, 64, 64)    # 8B FFN: 64 x 4 programs of 32 rows
     assert NR.tile_sizes(300, 37, 3, torch.float32) == (16, 16, 32)          # fp32: narrower column steps
 

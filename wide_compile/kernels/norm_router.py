@@ -251,11 +251,12 @@ def _router_tile_dot(acc, h, w_ptr, g, gv, d, dv, D, SPLIT_BF16: tl.constexpr, U
 def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_ptr, b_ptr, T, D, stride_x, stride_y,
                                  eps, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
                                  RESIDUAL: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr,
-                                 SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr):
+                                 SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, ONE_PASS: tl.constexpr):
     # program (row tile, router tile) of a linear router at prefill: rows [i * BT, (i + 1) * BT), router rows
     # [j * BG, (j + 1) * BG). Every program computes its rows' statistic; the programs of router tile 0 write the
     # norm output (and the sum). Pass 1 reads the rows for the statistic (and a residual router's dots), pass 2
-    # (L2) for the norm output (and a normed router's dots, which need the statistic first)
+    # (L2) for the norm output (and a normed router's dots, which need the statistic first). ONE_PASS (BD >= D:
+    # a narrow model's whole rows in one tile): the rows are read once and everything follows from registers
     eps = tl.cast(eps, tl.float32)
     rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     rv = rows < T
@@ -264,6 +265,28 @@ def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_p
     offs = tl.arange(0, BD)
     ss = tl.zeros([BT], dtype=tl.float32)
     acc = tl.zeros([BT, BG], dtype=tl.float32)
+    if ONE_PASS:
+        dv = offs < D
+        m = rv[:, None] & dv[None, :]
+        off = rows[:, None] * stride_x + offs[None, :]
+        own = m & ((off * 0) == tl.program_id(1))  # router tile 0 writes (a full tile: the interpreter's masks)
+        xin = _load_row(x_ptr, r_ptr, off, m, HAS_ADD)                            # xin: [BT, BD]
+        if HAS_ADD:
+            tl.store(xs_ptr + off, xin, mask=own)
+        xf = xin.to(tl.float32)
+        rstd1 = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        xn = (xf * rstd1).to(xin.dtype)
+        nw = tl.load(nw_ptr + offs, mask=dv, other=0.0)
+        y = (nw.to(tl.float32)[None, :] * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_y + offs[None, :], y, mask=own)
+        if RESIDUAL:
+            acc = _router_tile_dot(acc, xin, w_ptr, g, gv, offs, dv, D, SPLIT_BF16, UPCAST)
+        else:
+            acc = _router_tile_dot(acc, y, w_ptr, g, gv, offs, dv, D, SPLIT_BF16, UPCAST)
+        if HAS_B:
+            acc += tl.load(b_ptr + g, mask=gv, other=0.0)[None, :]
+        tl.store(m_ptr + rows[:, None] * G + g[None, :], acc > 0, mask=rv[:, None] & gv[None, :])
+        return
     for d0 in range(0, D, BD):
         d = d0 + offs
         dv = d < D
@@ -374,33 +397,53 @@ def row_splits(T: int, D: int, G: int, split: Optional[int] = None) -> tuple[int
 TILE_MIN_T = 128
 TILE_ROWS = (16, 32)
 TILE_PROGRAMS = 256
+# A bf16 row of at most this many columns (rounded up to a power of two) is one column tile: the rows are read
+# once (ONE_PASS) instead of once for the statistic and again for the norm and the dots, each a loop of column
+# steps whose every step waits on its loads.
+ONE_PASS_D = 1024
 
 
 def tile_sizes(T: int, D: int, G: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BT, BG, BD) of the tiles form: BG router rows (16 to 64: a dot's smallest and a register tile's largest);
     BT rows, 32 where that still gives about TILE_PROGRAMS programs, else 16 (a small router's tiles are the rows
     alone: SmolLM2's 2048 rows are 64 programs of 32); BD columns per step (fp32 rows and fp32 dots take twice the
-    registers of bf16 ones)."""
+    registers of bf16 ones), or the whole bf16 row up to ONE_PASS_D columns."""
     BG = max(16, min(64, triton.next_power_of_2(G)))
     BT = TILE_ROWS[1] if triton.cdiv(T, TILE_ROWS[1]) * triton.cdiv(G, BG) >= TILE_PROGRAMS else TILE_ROWS[0]
-    BD = max(16, min(triton.next_power_of_2(D), 64 if dtype in (torch.bfloat16, torch.float16) else 32))
+    half = dtype in (torch.bfloat16, torch.float16)
+    if half and triton.next_power_of_2(D) <= ONE_PASS_D:
+        return BT, BG, max(16, triton.next_power_of_2(D))
+    BD = max(16, min(triton.next_power_of_2(D), 64 if half else 32))
     return BT, BG, BD
 
 
+def tile_warps(BT: int, BG: int, BD: int) -> int:
+    # 8 warps where the accumulator or a one-pass row tile would crowd 4 warps' registers
+    return 4 if BT * BG <= 2048 and BT * BD <= 8192 else 8
+
+
 def _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, tile=None):
-    # a linear router at prefill: programs over (row tiles, router tiles), one launch; tile: (BT, BG) forced
+    # a linear router at prefill: programs over (row tiles, router tiles), one launch; tile: (BT, BG), or
+    # (BT, BG, BD) or (BT, BG, BD, warps), forced
     T, D = x.shape
     G = w.shape[0]
     BT, BG, BD = tile_sizes(T, D, G, x.dtype)
+    warps = None
     if tile is not None:
-        BT, BG = tile
+        BT, BG, *rest = tile
         if min(BT, BG) < 16 or BT & (BT - 1) or BG & (BG - 1):
             raise ValueError(f"rmsnorm_router: tile (rows, router rows) must be powers of two >= 16, got {tile}")
+        if rest:
+            BD, *warps = rest
+            warps = warps[0] if warps else None
+            if BD < 16 or BD & (BD - 1):
+                raise ValueError(f"rmsnorm_router: a tile's column step must be a power of two >= 16, got {tile}")
     _launcher(_rmsnorm_router_tiles_kernel, wrap)[(triton.cdiv(T, BT), triton.cdiv(G, BG))](
         x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w.contiguous(),
         b if b is not None else w, T, D, x.stride(0), y.stride(0), float(eps), G=G, BT=BT, BG=BG, BD=BD,
         RESIDUAL=router_input == "residual", HAS_B=b is not None, HAS_ADD=r is not None,
-        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), num_warps=4 if BT * BG <= 2048 else 8)
+        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), ONE_PASS=BD >= D,
+        num_warps=warps or tile_warps(BT, BG, BD))
 
 
 def _launch_rows(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, split, block_d):
