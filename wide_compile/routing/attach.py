@@ -118,6 +118,10 @@ def _mask_hook(kind: str, st: _LayerState):
 
     def hook(mod, args, kwargs):
         mask = getattr(st, kind)
+        # read once per forward: cleared, so a compiled graph does not keep every layer's mask alive as an output
+        # (Dynamo replays attribute writes after the graph), which also keeps Inductor from fusing the threshold
+        # into the kernel that applies the mask
+        setattr(st, kind, None)
         if args:
             return (_expand(args[0], mask), *args[1:]), kwargs
         return args, {**kwargs, "input": _expand(kwargs["input"], mask)}
