@@ -124,7 +124,8 @@
 #                          built from the train text (python -m wide_compile.training answers), packed into 512-token
 #                          blocks at /root/wcache/answers.npy; its record comes back as $OUT/answers.json
 #   distill                needs setup + tokens (+ answers): stage 2 continued from a router set + LoRA (a shipped one, a
-#                          run's, or a joined file), each of DISTILL_RUNS at once (NAME CAPACITY SPEC ARGS...; ARGS after
+#                          run's, a joined file, or SET@rRANK: the shipped SET with its LoRA grown to RANK, the update
+#                          unchanged), each of DISTILL_RUNS at once (NAME CAPACITY SPEC ARGS...; ARGS after
 #                          DISTILL_S2_ARGS), paused before DEADLINE_S (400); then `wide eval quality` (ppl, generation)
 #                          on each finished run, one at a time, and $OUT/distill.tgz (routers, LoRA, curves, quality
 #                          records, logs). Repeat the step to continue paused runs / score the rest
@@ -204,6 +205,9 @@ one_distill() {
   case "$spec" in
     runs/*) routers=$C/$spec/routers.safetensors lora=$C/$spec/lora.safetensors ;;
     *+*) routers=wide_compile/pretrained/${spec%%+*}.safetensors lora=$C/${spec#*+} ;;
+    *@r*) routers=wide_compile/pretrained/${spec%@r*}.safetensors lora=$C/${spec%@r*}-lora-r${spec##*@r}.safetensors
+      [ -f "$lora" ] || python3 -m wide_compile.training lora-rank "wide_compile/pretrained/${spec%@r*}.lora.safetensors" \
+        --rank "${spec##*@r}" --out "$lora" >> "$OUT/distill-$name.log" 2>&1 || return 1 ;;
     *:fresh) routers=wide_compile/pretrained/${spec%:fresh}.safetensors ;;
     *) routers=wide_compile/pretrained/$spec.safetensors lora=wide_compile/pretrained/$spec.lora.safetensors ;;
   esac
