@@ -18,8 +18,8 @@ captured 20 times in one CUDA graph and timed per call (bench_gemv.timed: median
   fused tiles   the fused kernel's tiles form (rows in tiles, the router's dots on tensor cores): its default here
   fused tiles BTxBG  the same with BT rows and BG router rows per program (TILE_SWEEP, the ones that differ from
                 the default and do not exceed the router)
-  fused tiles BTxBGxBD wW  at a narrow model's width (the one-pass form's): BT rows, BD columns per step (the whole
-                row: one pass; fewer: two passes in column steps) and W warps per program (NARROW_SWEEP)
+  fused tiles BTxBGxBD wW  at a narrow model's width: BT rows, BD columns per step (the whole row: one pass, the
+                ONE_PASS form; fewer: two passes in column steps) and W warps per program (NARROW_SWEEP)
 
 Writes DIR/norm-router.json and DIR/norm-router.md (command, GPU, date). --dry-run runs every row once on the CPU
 through the interpreter and checks the fused outputs against the reference: a check that the script runs, not a
@@ -43,18 +43,22 @@ SHAPES = [("smollm2-135m ffn (24 groups)", 576, 24), ("smollm2-135m attention (9
 SHAPES_DRY = [("tiny", 300, 3)]  # splits 1 to 3
 SPLITS = (1, 2, 3, 4, 8, 16, 32, 64, 112)
 TILE_SWEEP = ((16, 16), (16, 32), (16, 64), (32, 32), (32, 64), (32, 128), (64, 64))
-NARROW_SWEEP = ((16, 1024, 4), (16, 1024, 8), (32, 1024, 8), (16, 256, 4), (32, 256, 4), (16, 64, 4))
+NARROW_SWEEP = ((16, 1024, 4), (16, 1024, 8), (32, 1024, 8), (16, 256, 4), (32, 256, 4), (16, 64, 4),
+                (32, 64, 4), (16, 128, 4))
 
 
 def swept_tiles(T: int, D: int, G: int, dtype) -> dict:
     """{label: launch options} of the tiles form's sweep rows at a prefill size: TILE_SWEEP's (rows, router rows)
     other than the default's, with router tiles no wider than the router needs (16, or up to twice G); at a width
-    the one-pass form takes (bf16 rows of at most ONE_PASS_D columns), NARROW_SWEEP's (rows, column step, warps)
-    at the default router tile instead: the one pass at other rows and warps, and two passes in column steps."""
+    the one-pass form can take (bf16 rows of at most ONE_PASS_D columns), NARROW_SWEEP's (rows, column step, warps)
+    at the default router tile instead: the one pass at several rows and warps, and two passes in other steps."""
+    import torch
+    import triton
+
     from wide_compile.kernels import norm_router as NR
 
     bt0, bg0, bd0 = NR.tile_sizes(T, D, G, dtype)
-    if bd0 >= D:
+    if dtype in (torch.bfloat16, torch.float16) and triton.next_power_of_2(D) <= NR.ONE_PASS_D:
         return {f"fused tiles {bt}x{bg0}x{bd} w{w}": dict(tiles=True, tile=(bt, bg0, bd, w))
                 for bt, bd, w in NARROW_SWEEP if (bt, bd, w) != (bt0, bd0, NR.tile_warps(bt0, bg0, bd0))}
     return {f"fused tiles {bt}x{bg}": dict(tiles=True, tile=(bt, bg)) for bt, bg in TILE_SWEEP

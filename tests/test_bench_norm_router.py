@@ -29,9 +29,10 @@ def test_swept_tiles_at_the_model_shapes():
 
     import bench_norm_router as B
 
-    smol = B.swept_tiles(2048, 576, 24, torch.bfloat16)      # default 16 x 32 x 1024, 8 warps: one pass
-    assert list(smol) == ["fused tiles 16x32x1024 w4", "fused tiles 32x32x1024 w8",
-                          "fused tiles 16x32x256 w4", "fused tiles 32x32x256 w4", "fused tiles 16x32x64 w4"]
+    smol = B.swept_tiles(2048, 576, 24, torch.bfloat16)      # default 16 x 32 x 64, 4 warps: two passes
+    assert list(smol) == ["fused tiles 16x32x1024 w4", "fused tiles 16x32x1024 w8", "fused tiles 32x32x1024 w8",
+                          "fused tiles 16x32x256 w4", "fused tiles 32x32x256 w4", "fused tiles 32x32x64 w4",
+                          "fused tiles 16x32x128 w4"]
     assert all(v["tile"][1] == 32 for v in smol.values())
     big = B.swept_tiles(2048, 4096, 224, torch.bfloat16)     # default 32 x 64
     assert "fused tiles 32x64" not in big and "fused tiles 32x128" in big and len(big) == len(B.TILE_SWEEP) - 1

@@ -136,8 +136,8 @@ def _cases():
     cases["add_rmsnorm_router tiles 32x128 T=2048"] = lambda: norm_router.add_rmsnorm_router_triton(
         t(2048, D), t(2048, D), t(D), 1e-5, "normed", "linear", t(F // FGS, D, dtype=torch.float32),
         t(F // FGS, dtype=torch.float32), tiles=True, tile=(32, 128))
-    for router_input, ng in (("normed", 24), ("residual", 9)):  # SmolLM2's width: one-pass rows
-        cases[f"add_rmsnorm_router tiles one pass D=576 G={ng} T=2048"] = lambda ri=router_input, ng=ng: \
+    for router_input, ng in (("normed", 24), ("residual", 9)):  # SmolLM2's width
+        cases[f"add_rmsnorm_router tiles D=576 G={ng} T=2048"] = lambda ri=router_input, ng=ng: \
             norm_router.add_rmsnorm_router_triton(t(2048, 576), t(2048, 576), t(576), 1e-5, ri, "linear",
                                                   t(ng, 576, dtype=torch.float32), t(ng, dtype=torch.float32), tiles=True)
     cases["gated_select T=16"] = lambda: dense_masked.gated_select_triton(t(16, F), t(16, F), mask(16, F // FGS), FGS)
@@ -168,6 +168,23 @@ def global_loads(ptx: str) -> dict:
     return dict(collections.Counter(re.findall(r"ld\.global[\w.]*", ptx)))
 
 
+def stack_bytes(cubin: bytes):
+    """Bytes of local-memory stack per thread of a compiled kernel (cuobjdump's resource usage), None without
+    cuobjdump: registers spilled, or arrays the compiler could not keep in registers."""
+    import re
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+    if not os.path.isfile(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"STACK:(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
 def record_and_compile(names):
     """In a process without TRITON_INTERPRET: each case's launches compiled for sm_90; {case: [(kernel, shared B,
     error or None), ...]}."""
@@ -193,9 +210,9 @@ def record_and_compile(names):
                 try:
                     ck = triton.compile(ASTSource(fn=jf, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                         options=opts)
-                    seen[key] = (ck.metadata.shared, None, global_loads(ck.asm["ptx"]))
+                    seen[key] = (ck.metadata.shared, None, global_loads(ck.asm["ptx"]), stack_bytes(ck.asm["cubin"]))
                 except Exception as e:  # noqa: BLE001  reported per kernel by the test
-                    seen[key] = (None, f"{type(e).__name__}: {str(e)[:1500]}", {})
+                    seen[key] = (None, f"{type(e).__name__}: {str(e)[:1500]}", {}, None)
             res.append((jf.__name__, *seen[key]))
         out[name] = res
     return out
@@ -207,7 +224,7 @@ CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", 
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
               + ["mlp_bucket global h, gate and up in one dot T=2048", "q_proj_bucket global T=2048",
                  "mlp gate and up in one dot T=2048", "add_rmsnorm_router tiles 32x128 T=2048"]
-              + [f"add_rmsnorm_router tiles one pass D=576 G={g} T=2048" for g in (24, 9)]
+              + [f"add_rmsnorm_router tiles D=576 G={g} T=2048" for g in (24, 9)]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 
@@ -227,7 +244,7 @@ def test_launches_compile_for_sm90_within_shared_memory(compiled, case):
     launches = compiled[case]
     if not launches:
         pytest.skip(f"{case}: no Triton launch (the tuning table runs it on the dense-masked path)")
-    for kernel, shared, error, _ in launches:
+    for kernel, shared, error, *_ in launches:
         assert error is None, f"{case}: {kernel} does not compile for sm_90: {error}"
         assert shared <= SM90_SHARED, f"{case}: {kernel} needs {shared} B of shared memory (the GPU has {SM90_SHARED})"
 
@@ -237,7 +254,19 @@ def test_gemv_reduction_reads_weights_with_vector_loads(compiled, case):
     """The one-token reduction kernel gathers W's columns of the active groups: its weight loads must still be
     16-byte vector loads (the run hint in gemv._k_tile), not one 2-byte load per element, which reads at a
     fraction of the bandwidth."""
-    loads = {k: v for kernel, _, _, v in compiled[case] if kernel == "_gemv_k_kernel" for k, v in v.items()}
+    loads = {k: v for kernel, _, _, v, *_ in compiled[case] if kernel == "_gemv_k_kernel" for k, v in v.items()}
     assert loads, f"{case}: no _gemv_k_kernel launch"
     assert not loads.get("ld.global.b16"), f"{case}: scalar bf16 loads in the reduction kernel: {loads}"
     assert loads.get("ld.global.v4.b32"), f"{case}: no 16-byte loads in the reduction kernel: {loads}"
+
+
+@pytest.mark.parametrize("case", ["add_rmsnorm_router T=2048", "rmsnorm_router T=2048",
+                                  *(f"add_rmsnorm_router tiles D=576 G={g} T=2048" for g in (24, 9))])
+def test_norm_router_tiles_need_no_stack(compiled, case):
+    """The fused norm + router's default tiles at prefill sizes (8B and SmolLM2 widths) keep their tiles in
+    registers: a whole-row tile of SmolLM2's width compiled to a 5.6 to 13 KB local-memory stack a thread."""
+    stacks = [(kernel, stack) for kernel, _, error, _, stack in compiled[case] if kernel == "_rmsnorm_router_tiles_kernel"]
+    assert stacks, f"{case}: no tiles-form launch"
+    if any(stack is None for _, stack in stacks):
+        pytest.skip("this triton wheel has no cuobjdump")
+    assert all(stack == 0 for _, stack in stacks), f"{case}: local-memory stack {stacks}"

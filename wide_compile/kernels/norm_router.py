@@ -397,9 +397,10 @@ def row_splits(T: int, D: int, G: int, split: Optional[int] = None) -> tuple[int
 TILE_MIN_T = 128
 TILE_ROWS = (16, 32)
 TILE_PROGRAMS = 256
-# A bf16 row of at most this many columns (rounded up to a power of two) is one column tile: the rows are read
-# once (ONE_PASS) instead of once for the statistic and again for the norm and the dots, each a loop of column
-# steps whose every step waits on its loads.
+# A bf16 row of at most this many columns (rounded up to a power of two) can be one column tile (ONE_PASS): the rows
+# are read once instead of once for the statistic and again for the norm and the dots. Only a forced tile takes it
+# (the sweeps): compiled for sm_90 a whole-row tile of SmolLM2's width keeps its [BD, BG] weight tile and the rows
+# on a local-memory stack (5.6 to 13 KB a thread), where column steps of 64 need about 70 registers and no stack.
 ONE_PASS_D = 1024
 
 
@@ -407,13 +408,10 @@ def tile_sizes(T: int, D: int, G: int, dtype: torch.dtype) -> tuple[int, int, in
     """(BT, BG, BD) of the tiles form: BG router rows (16 to 64: a dot's smallest and a register tile's largest);
     BT rows, 32 where that still gives about TILE_PROGRAMS programs, else 16 (a small router's tiles are the rows
     alone: SmolLM2's 2048 rows are 64 programs of 32); BD columns per step (fp32 rows and fp32 dots take twice the
-    registers of bf16 ones), or the whole bf16 row up to ONE_PASS_D columns."""
+    registers of bf16 ones)."""
     BG = max(16, min(64, triton.next_power_of_2(G)))
     BT = TILE_ROWS[1] if triton.cdiv(T, TILE_ROWS[1]) * triton.cdiv(G, BG) >= TILE_PROGRAMS else TILE_ROWS[0]
-    half = dtype in (torch.bfloat16, torch.float16)
-    if half and triton.next_power_of_2(D) <= ONE_PASS_D:
-        return BT, BG, max(16, triton.next_power_of_2(D))
-    BD = max(16, min(triton.next_power_of_2(D), 64 if half else 32))
+    BD = max(16, min(triton.next_power_of_2(D), 64 if dtype in (torch.bfloat16, torch.float16) else 32))
     return BT, BG, BD
 
 
