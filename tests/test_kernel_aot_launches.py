@@ -140,6 +140,10 @@ def _cases():
         cases[f"add_rmsnorm_router tiles D=576 G={ng} T=2048"] = lambda ri=router_input, ng=ng: \
             norm_router.add_rmsnorm_router_triton(t(2048, 576), t(2048, 576), t(576), 1e-5, ri, "linear",
                                                   t(ng, 576, dtype=torch.float32), t(ng, dtype=torch.float32), tiles=True)
+        cases[f"add_rmsnorm_router tiles one pass D=576 G={ng} T=2048"] = lambda ri=router_input, ng=ng: \
+            norm_router.add_rmsnorm_router_triton(t(2048, 576), t(2048, 576), t(576), 1e-5, ri, "linear",
+                                                  t(ng, 576, dtype=torch.float32), t(ng, dtype=torch.float32), tiles=True,
+                                                  tile=(16, 32, 1024, 8))
     cases["gated_select T=16"] = lambda: dense_masked.gated_select_triton(t(16, F), t(16, F), mask(16, F // FGS), FGS)
     cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
                                                            None, HGS * HD)
@@ -224,7 +228,7 @@ CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", 
               + [f"mlp_gemv {k} {i}" for k, sweep in GEMV_SWEEP.items() for i in range(len(sweep))]
               + ["mlp_bucket global h, gate and up in one dot T=2048", "q_proj_bucket global T=2048",
                  "mlp gate and up in one dot T=2048", "add_rmsnorm_router tiles 32x128 T=2048"]
-              + [f"add_rmsnorm_router tiles D=576 G={g} T=2048" for g in (24, 9)]
+              + [f"add_rmsnorm_router tiles{p} D=576 G={g} T=2048" for g in (24, 9) for p in ("", " one pass")]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 
@@ -261,10 +265,12 @@ def test_gemv_reduction_reads_weights_with_vector_loads(compiled, case):
 
 
 @pytest.mark.parametrize("case", ["add_rmsnorm_router T=2048", "rmsnorm_router T=2048",
-                                  *(f"add_rmsnorm_router tiles D=576 G={g} T=2048" for g in (24, 9))])
+                                  *(f"add_rmsnorm_router tiles{p} D=576 G={g} T=2048" for g in (24, 9)
+                                    for p in ("", " one pass"))])
 def test_norm_router_tiles_need_no_stack(compiled, case):
-    """The fused norm + router's default tiles at prefill sizes (8B and SmolLM2 widths) keep their tiles in
-    registers: a whole-row tile of SmolLM2's width compiled to a 5.6 to 13 KB local-memory stack a thread."""
+    """The fused norm + router's default tiles at prefill sizes (8B and SmolLM2 widths), and its one-pass form,
+    keep their tiles in registers: dots over a whole-row tile of SmolLM2's width compiled to a 5.6 to 13 KB
+    local-memory stack a thread."""
     stacks = [(kernel, stack) for kernel, _, error, _, stack in compiled[case] if kernel == "_rmsnorm_router_tiles_kernel"]
     assert stacks, f"{case}: no tiles-form launch"
     if any(stack is None for _, stack in stacks):

@@ -251,12 +251,13 @@ def _router_tile_dot(acc, h, w_ptr, g, gv, d, dv, D, SPLIT_BF16: tl.constexpr, U
 def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_ptr, b_ptr, T, D, stride_x, stride_y,
                                  eps, G: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
                                  RESIDUAL: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr,
-                                 SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, ONE_PASS: tl.constexpr):
+                                 SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, ONE_PASS: tl.constexpr,
+                                 DOT_BD: tl.constexpr):
     # program (row tile, router tile) of a linear router at prefill: rows [i * BT, (i + 1) * BT), router rows
     # [j * BG, (j + 1) * BG). Every program computes its rows' statistic; the programs of router tile 0 write the
     # norm output (and the sum). Pass 1 reads the rows for the statistic (and a residual router's dots), pass 2
     # (L2) for the norm output (and a normed router's dots, which need the statistic first). ONE_PASS (BD >= D:
-    # a narrow model's whole rows in one tile): the rows are read once and everything follows from registers
+    # a narrow model's whole rows in one tile): pass 1 is one read of the whole row tile, pass 2 steps of DOT_BD
     eps = tl.cast(eps, tl.float32)
     rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     rv = rows < T
@@ -266,23 +267,21 @@ def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_p
     ss = tl.zeros([BT], dtype=tl.float32)
     acc = tl.zeros([BT, BG], dtype=tl.float32)
     if ONE_PASS:
+        # the statistic from one read of the whole row tile (one wait on loads instead of one per column step); the
+        # norm output and the dots then in column steps of DOT_BD (L1 / L2 hits), which keep the weight tile small
         dv = offs < D
-        m = rv[:, None] & dv[None, :]
-        off = rows[:, None] * stride_x + offs[None, :]
-        own = m & ((off * 0) == tl.program_id(1))  # router tile 0 writes (a full tile: the interpreter's masks)
-        xin = _load_row(x_ptr, r_ptr, off, m, HAS_ADD)                            # xin: [BT, BD]
-        if HAS_ADD:
-            tl.store(xs_ptr + off, xin, mask=own)
+        xin = _load_row(x_ptr, r_ptr, rows[:, None] * stride_x + offs[None, :], rv[:, None] & dv[None, :], HAS_ADD)
         xf = xin.to(tl.float32)
         rstd1 = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
-        xn = (xf * rstd1).to(xin.dtype)
-        nw = tl.load(nw_ptr + offs, mask=dv, other=0.0)
-        y = (nw.to(tl.float32)[None, :] * xn.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * stride_y + offs[None, :], y, mask=own)
-        if RESIDUAL:
-            acc = _router_tile_dot(acc, xin, w_ptr, g, gv, offs, dv, D, SPLIT_BF16, UPCAST)
-        else:
-            acc = _router_tile_dot(acc, y, w_ptr, g, gv, offs, dv, D, SPLIT_BF16, UPCAST)
+        offk = tl.arange(0, DOT_BD)
+        colk = tl.zeros([BT, DOT_BD], dtype=tl.int64)
+        for d0 in range(0, D, DOT_BD):
+            d = d0 + offk
+            dk = d < D
+            mk = rv[:, None] & dk[None, :]
+            h = _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, colk + d[None, :],
+                           mk, mk & (colk == tl.program_id(1)), rstd1, RESIDUAL, HAS_ADD)
+            acc = _router_tile_dot(acc, h, w_ptr, g, gv, d, dk, D, SPLIT_BF16, UPCAST)
         if HAS_B:
             acc += tl.load(b_ptr + g, mask=gv, other=0.0)[None, :]
         tl.store(m_ptr + rows[:, None] * G + g[None, :], acc > 0, mask=rv[:, None] & gv[None, :])
@@ -397,10 +396,12 @@ def row_splits(T: int, D: int, G: int, split: Optional[int] = None) -> tuple[int
 TILE_MIN_T = 128
 TILE_ROWS = (16, 32)
 TILE_PROGRAMS = 256
-# A bf16 row of at most this many columns (rounded up to a power of two) can be one column tile (ONE_PASS): the rows
-# are read once instead of once for the statistic and again for the norm and the dots. Only a forced tile takes it
-# (the sweeps): compiled for sm_90 a whole-row tile of SmolLM2's width keeps its [BD, BG] weight tile and the rows
-# on a local-memory stack (5.6 to 13 KB a thread), where column steps of 64 need about 70 registers and no stack.
+# A bf16 row of at most this many columns (rounded up to a power of two) can be one column tile (ONE_PASS): pass 1
+# reads the whole row tile once for the statistic instead of in column steps that each wait on their loads; pass 2
+# (the norm output and the dots) keeps column steps of DOT_STEP. Only a forced tile takes it (the sweeps, until
+# timed). Dots over a whole-row tile (the first form of ONE_PASS) kept the [BD, BG] weight tile and the rows on a
+# 5.6 to 13 KB local-memory stack a thread, compiled for sm_90.
+DOT_STEP = 64
 ONE_PASS_D = 1024
 
 
@@ -440,7 +441,7 @@ def _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, tile
         x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w.contiguous(),
         b if b is not None else w, T, D, x.stride(0), y.stride(0), float(eps), G=G, BT=BT, BG=BG, BD=BD,
         RESIDUAL=router_input == "residual", HAS_B=b is not None, HAS_ADD=r is not None,
-        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), ONE_PASS=BD >= D,
+        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), ONE_PASS=BD >= D, DOT_BD=min(BD, DOT_STEP),
         num_warps=warps or tile_warps(BT, BG, BD))
 
 
