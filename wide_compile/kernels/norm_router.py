@@ -257,7 +257,8 @@ def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_p
     # [j * BG, (j + 1) * BG). Every program computes its rows' statistic; the programs of router tile 0 write the
     # norm output (and the sum). Pass 1 reads the rows for the statistic (and a residual router's dots), pass 2
     # (L2) for the norm output (and a normed router's dots, which need the statistic first). ONE_PASS (BD >= D:
-    # a narrow model's whole rows in one tile): pass 1 is one read of the whole row tile, pass 2 steps of DOT_BD
+    # a narrow model's whole rows in one tile): pass 1 is one read of the whole row tile, pass 2 (every router's
+    # dots) steps of DOT_BD; otherwise DOT_BD is BD
     eps = tl.cast(eps, tl.float32)
     rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     rv = rows < T
@@ -268,49 +269,39 @@ def _rmsnorm_router_tiles_kernel(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, m_ptr, w_p
     acc = tl.zeros([BT, BG], dtype=tl.float32)
     if ONE_PASS:
         # the statistic from one read of the whole row tile (one wait on loads instead of one per column step); the
-        # norm output and the dots then in column steps of DOT_BD (L1 / L2 hits), which keep the weight tile small
+        # norm output and every router's dots then in column steps of DOT_BD (L1 / L2 hits), which keep the weight
+        # tile small
         dv = offs < D
         xin = _load_row(x_ptr, r_ptr, rows[:, None] * stride_x + offs[None, :], rv[:, None] & dv[None, :], HAS_ADD)
         xf = xin.to(tl.float32)
-        rstd1 = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
-        offk = tl.arange(0, DOT_BD)
-        colk = tl.zeros([BT, DOT_BD], dtype=tl.int64)
-        for d0 in range(0, D, DOT_BD):
-            d = d0 + offk
-            dk = d < D
-            mk = rv[:, None] & dk[None, :]
-            h = _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, colk + d[None, :],
-                           mk, mk & (colk == tl.program_id(1)), rstd1, RESIDUAL, HAS_ADD)
-            acc = _router_tile_dot(acc, h, w_ptr, g, gv, d, dk, D, SPLIT_BF16, UPCAST)
-        if HAS_B:
-            acc += tl.load(b_ptr + g, mask=gv, other=0.0)[None, :]
-        tl.store(m_ptr + rows[:, None] * G + g[None, :], acc > 0, mask=rv[:, None] & gv[None, :])
-        return
-    for d0 in range(0, D, BD):
-        d = d0 + offs
-        dv = d < D
-        xin = _load_row(x_ptr, r_ptr, rows[:, None] * stride_x + d[None, :], rv[:, None] & dv[None, :], HAS_ADD)
-        xf = xin.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
-        if RESIDUAL:
-            acc = _router_tile_dot(acc, xin, w_ptr, g, gv, d, dv, D, SPLIT_BF16, UPCAST)
-    rstd = tl.rsqrt(ss / D + eps)[:, None]
-    col0 = tl.zeros([BT, BD], dtype=tl.int64)  # _norm_tile's column offsets as a full [BT, BD] tile
-    if RESIDUAL:
-        if tl.program_id(1) == 0:
-            for d0 in range(0, D, BD):
-                d = col0 + (d0 + offs)[None, :]
-                m = rv[:, None] & (d < D)
-                _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, d, m, m, rstd,
-                           RESIDUAL, HAS_ADD)
+        ss = tl.sum(xf * xf, axis=1)
     else:
         for d0 in range(0, D, BD):
             d = d0 + offs
             dv = d < D
-            m = rv[:, None] & dv[None, :]
+            xin = _load_row(x_ptr, r_ptr, rows[:, None] * stride_x + d[None, :], rv[:, None] & dv[None, :], HAS_ADD)
+            xf = xin.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            if RESIDUAL:
+                acc = _router_tile_dot(acc, xin, w_ptr, g, gv, d, dv, D, SPLIT_BF16, UPCAST)
+    rstd = tl.rsqrt(ss / D + eps)[:, None]
+    offk = tl.arange(0, DOT_BD)
+    col0 = tl.zeros([BT, DOT_BD], dtype=tl.int64)  # _norm_tile's column offsets as a full [BT, DOT_BD] tile
+    if RESIDUAL and not ONE_PASS:  # the dots are done: router tile 0 writes the norm output
+        if tl.program_id(1) == 0:
+            for d0 in range(0, D, DOT_BD):
+                d = col0 + (d0 + offk)[None, :]
+                m = rv[:, None] & (d < D)
+                _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, d, m, m, rstd,
+                           RESIDUAL, HAS_ADD)
+    else:
+        for d0 in range(0, D, DOT_BD):
+            d = d0 + offk
+            dk = d < D  # [DOT_BD]: pass 1's dv may be a whole row's
+            m = rv[:, None] & dk[None, :]
             h = _norm_tile(x_ptr, r_ptr, xs_ptr, nw_ptr, y_ptr, rows[:, None], stride_x, stride_y, col0 + d[None, :],
                            m, m & (col0 == tl.program_id(1)), rstd, RESIDUAL, HAS_ADD)
-            acc = _router_tile_dot(acc, h, w_ptr, g, gv, d, dv, D, SPLIT_BF16, UPCAST)
+            acc = _router_tile_dot(acc, h, w_ptr, g, gv, d, dk, D, SPLIT_BF16, UPCAST)
     if HAS_B:
         acc += tl.load(b_ptr + g, mask=gv, other=0.0)[None, :]
     tl.store(m_ptr + rows[:, None] * G + g[None, :], acc > 0, mask=rv[:, None] & gv[None, :])
@@ -398,9 +389,9 @@ TILE_ROWS = (16, 32)
 TILE_PROGRAMS = 256
 # A bf16 row of at most this many columns (rounded up to a power of two) can be one column tile (ONE_PASS): pass 1
 # reads the whole row tile once for the statistic instead of in column steps that each wait on their loads; pass 2
-# (the norm output and the dots) keeps column steps of DOT_STEP. Only a forced tile takes it (the sweeps, until
-# timed). Dots over a whole-row tile (the first form of ONE_PASS) kept the [BD, BG] weight tile and the rows on a
-# 5.6 to 13 KB local-memory stack a thread, compiled for sm_90.
+# (the norm output and the dots) keeps column steps of DOT_STEP, because dots over a whole-row tile put the [BD, BG]
+# weight tile and the rows on a local-memory stack when compiled for sm_90 (benchmarks/results/lean-h100/README.md,
+# seventh run). Only a forced tile takes it (the sweeps), until it is timed.
 DOT_STEP = 64
 ONE_PASS_D = 1024
 
@@ -441,7 +432,8 @@ def _launch_tiles(x, r, xs, y, mask, w_norm, eps, router_input, w, b, wrap, tile
         x, r if r is not None else x, xs if xs is not None else y, w_norm.contiguous(), y, mask, w.contiguous(),
         b if b is not None else w, T, D, x.stride(0), y.stride(0), float(eps), G=G, BT=BT, BG=BG, BD=BD,
         RESIDUAL=router_input == "residual", HAS_B=b is not None, HAS_ADD=r is not None,
-        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), ONE_PASS=BD >= D, DOT_BD=min(BD, DOT_STEP),
+        SPLIT_BF16=x.dtype == torch.bfloat16, UPCAST=interpreting(), ONE_PASS=BD >= D,
+        DOT_BD=min(BD, DOT_STEP) if BD >= D else BD,
         num_warps=warps or tile_warps(BT, BG, BD))
 
 
