@@ -269,8 +269,8 @@ def test_gemv_reduction_reads_weights_with_vector_loads(compiled, case):
                                     for p in ("", " one pass"))])
 def test_norm_router_tiles_need_no_stack(compiled, case):
     """The fused norm + router's default tiles at prefill sizes (8B and SmolLM2 widths), and its one-pass form,
-    keep their tiles in registers: dots over a whole-row tile of SmolLM2's width compiled to a 5.6 to 13 KB
-    local-memory stack a thread."""
+    keep their tiles in registers: dots over a whole-row tile of SmolLM2's width put them on a local-memory
+    stack."""
     stacks = [(kernel, stack) for kernel, _, error, _, stack in compiled[case] if kernel == "_rmsnorm_router_tiles_kernel"]
     assert stacks, f"{case}: no tiles-form launch"
     if any(stack is None for _, stack in stacks):
