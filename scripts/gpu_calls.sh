@@ -467,7 +467,7 @@ step() {
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
   lean)
     [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kernel_norm_router.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 \
+      tests/test_kernel_norm_router.py tests/test_kernel_routed_select.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 \
       | tee "$OUT/lean-tests-cuda.log" | tail -4
     [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
       --layers "${LEAN_LAYERS:-8}" --phases decode --decode-ctx 1024 --decode-batch ${LEAN_8B_BATCH:-1 8} --capacities 0.5 --masks random \
@@ -484,8 +484,10 @@ step() {
       tests/test_kernel_norm_router.py > "$OUT/norm-router-tests-cuda.log" 2>&1; tail -2 "$OUT/norm-router-tests-cuda.log"
     timeout "${NR_TIMEOUT:-240}" python3 benchmarks/bench_norm_router.py --out "$OUT/norm-router" \
       > "$OUT/norm-router.log" 2>&1; grep " us$" "$OUT/norm-router.log" | tail -40 ;;
-  tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the halves are joined
+  tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the token file that
+    # join_parts joined (tokens.npy.gz, tokenized here by wide_compile.training.data), else the halves are joined
     local d
+    if [ -f "$C/tokens.npy.gz" ]; then gunzip -c "$C/tokens.npy.gz" > "$C/tokens.npy" && echo "tokens joined"; return; fi
     for d in .data/train-text .data/train-text-gz; do
       [ -d "$d" ] || continue
       python3 -m wide_compile.training.data --data "$d" --out "$C/tokens.npy" --gguf "$WIDE_SMOLLM2_GGUF"

@@ -78,7 +78,7 @@ def _signature(kernel, args, kwargs):
 def _cases():
     """name -> a function launching one op's kernels on CPU tensors (nothing runs: the launches are recorded)."""
     from wide_compile.kernels import attn_decode, attn_prefill, bucket_attn, bucket_mlp, compact_attn, compact_mlp
-    from wide_compile.kernels import dense_masked, gemv, norm_router
+    from wide_compile.kernels import dense_masked, gemv, norm_router, routed_select
 
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -144,6 +144,12 @@ def _cases():
             norm_router.add_rmsnorm_router_triton(t(2048, 576), t(2048, 576), t(576), 1e-5, ri, "linear",
                                                   t(ng, 576, dtype=torch.float32), t(ng, dtype=torch.float32), tiles=True,
                                                   tile=(16, 32, 1024, 8))
+    # the router in the select: SmolLM2's FFN (24 groups of 64) and attention (9 heads), the 8B o_proj's 8 groups
+    for name, (Dh, G, GS, glu) in {"ffn D=576": (576, 24, 64, True), "attn D=576": (576, 9, 64, False),
+                                   "o D=4096": (D, HQ // HGS, HGS * HD, False)}.items():
+        cases[f"routed_select {name} T=2048"] = lambda Dh=Dh, G=G, GS=GS, glu=glu: routed_select.routed_select_triton(
+            t(2048, G * GS), t(2048, Dh), t(2 * (-(-G // 4) * 4), Dh), t(G, dtype=torch.float32), GS,
+            t(2048, G * GS) if glu else None)
     cases["gated_select T=16"] = lambda: dense_masked.gated_select_triton(t(16, F), t(16, F), mask(16, F // FGS), FGS)
     cases["q_proj_gemv"] = lambda: gemv.q_proj_gemv_triton(t(1, D), t(HQ * HD, D), t(HQ * HD), mask(1, HQ // HGS),
                                                            None, HGS * HD)
@@ -196,10 +202,11 @@ def record_and_compile(names):
     from triton.compiler import ASTSource
 
     from wide_compile.kernels import (attn_decode, attn_prefill, bucket_mlp, compact_mlp, dense_masked, gemv, norm_router,
-                                      reorder)
+                                      reorder, routed_select)
 
     rec = Recorder()
-    for mod in (attn_decode, attn_prefill, bucket_mlp, compact_mlp, dense_masked, gemv, norm_router, reorder):
+    for mod in (attn_decode, attn_prefill, bucket_mlp, compact_mlp, dense_masked, gemv, norm_router, reorder,
+                routed_select):
         mod._launcher = rec
     cases, out, seen = _cases(), {}, {}
     assert sorted(cases) == sorted(CASE_NAMES), "CASE_NAMES and _cases() list the same cases"
@@ -229,6 +236,7 @@ CASE_NAMES = ([f"{op} T={T}" for T in (1, 16, 2048) for op in ("mlp", "q_proj", 
               + ["mlp_bucket global h, gate and up in one dot T=2048", "q_proj_bucket global T=2048",
                  "mlp gate and up in one dot T=2048", "add_rmsnorm_router tiles 32x128 T=2048"]
               + [f"add_rmsnorm_router tiles{p} D=576 G={g} T=2048" for g in (24, 9) for p in ("", " one pass")]
+              + [f"routed_select {n} T=2048" for n in ("ffn D=576", "attn D=576", "o D=4096")]
               + ["mlp_gemv bucket", "mlp_bucket union_blocks T=2048", "gated_select T=16", "q_proj_gemv", "o_proj_gemv k_contiguous", "o_proj_gemv d_contiguous"] + [f"attn_decode B={B}" for B in (1, 8)]
               + [f"attn_prefill window={w}" for w in (None, 4096)])
 
@@ -273,6 +281,17 @@ def test_norm_router_tiles_need_no_stack(compiled, case):
     stack."""
     stacks = [(kernel, stack) for kernel, _, error, _, stack in compiled[case] if kernel == "_rmsnorm_router_tiles_kernel"]
     assert stacks, f"{case}: no tiles-form launch"
+    if any(stack is None for _, stack in stacks):
+        pytest.skip("this triton wheel has no cuobjdump")
+    assert all(stack == 0 for _, stack in stacks), f"{case}: local-memory stack {stacks}"
+
+
+@pytest.mark.parametrize("case", [f"routed_select {n} T=2048" for n in ("ffn D=576", "attn D=576", "o D=4096")])
+def test_routed_select_needs_no_stack(compiled, case):
+    """The router-in-the-select kernel keeps its logits tile and each group's tile in registers at SmolLM2's widths
+    and with the 8B o_proj's 512-column groups."""
+    stacks = [(kernel, stack) for kernel, _, error, _, stack in compiled[case] if kernel == "_routed_select_kernel"]
+    assert stacks, f"{case}: no routed-select launch"
     if any(stack is None for _, stack in stacks):
         pytest.skip("this triton wheel has no cuobjdump")
     assert all(stack == 0 for _, stack in stacks), f"{case}: local-memory stack {stacks}"

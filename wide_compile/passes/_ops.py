@@ -4,8 +4,11 @@ traces through them, so the graph Inductor sees holds reshapes + the torch.ops.w
 `tuning` is the kernels' tile table as JSON ("" = the device's shipped one; wide_compile.kernels.tuning)."""
 from __future__ import annotations
 
+import torch
+
 OPS = ("wide_mlp", "wide_q_proj", "wide_o_proj", "wide_attn_decode", "wide_attn_prefill", "wide_rmsnorm_router",
-       "wide_add_rmsnorm_router", "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket")
+       "wide_add_rmsnorm_router", "wide_mlp_bucket", "wide_q_proj_bucket", "wide_o_proj_bucket", "wide_routed_select",
+       "wide_routed_gated_select")
 
 
 def kernels():
@@ -106,3 +109,24 @@ def wide_add_rmsnorm_router_nd(a, b, w_norm, eps: float, router_input: str, kind
                                b2=None):
     """a, b [..., D] -> (a + b, RMSNorm(a + b), router mask [..., G] bool) in one launch (kernels/norm_router.py)."""
     return kernels().wide_add_rmsnorm_router(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2)
+
+
+def wide_routed_mlp_nd(x, w_gate, w_up, w_down_t, h, w2, b, group_size: int, activation: str = "silu"):
+    """The dense-masked MLP (kernels/dense_masked.mlp_dense_masked) with its split-bf16 router computed in the
+    select: x [..., D], h [..., Dh] (the router's input), w2 [2 Gp, Dh], b [G] -> [..., D]. The GEMMs stay
+    aten mm for Inductor; the middle is one wide.routed_gated_select launch (fuse_router_select.py)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    g = x2 @ w_gate.t()  # [T, F]
+    u = x2 @ w_up.t()  # [T, F]
+    mid = kernels().wide_routed_gated_select(g, u, h.reshape(-1, h.shape[-1]), w2, b, group_size, activation)
+    return (mid @ w_down_t).reshape(*lead, w_down_t.shape[1])
+
+
+def wide_routed_o_proj_nd(a, w_o_t, b_o, h, w2, b, group_size: int):
+    """The dense-masked o_proj (dense_masked.o_proj_dense_masked) with its split-bf16 router computed in the
+    select of its input: a [..., Nq], w_o_t [Nq, D], b_o [D] or None, h [..., Dh] -> [..., D]."""
+    lead = a.shape[:-1]
+    am = kernels().wide_routed_select(a.reshape(-1, a.shape[-1]), h.reshape(-1, h.shape[-1]), w2, b, group_size)
+    out = am @ w_o_t if b_o is None else torch.addmm(b_o, am, w_o_t)
+    return out.reshape(*lead, w_o_t.shape[1])

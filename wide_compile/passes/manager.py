@@ -20,6 +20,7 @@ from .compose_routers import ComposeRouters
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
 from .fuse_norm_router import FuseNormRouter
+from .fuse_router_select import FuseRouterSelect
 from .insert_routers import InsertRouters
 from .match_buckets import MatchBuckets
 from .rewrite_attention import RewriteAttention
@@ -41,7 +42,7 @@ def check_fuse_norm_router(value) -> None:
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                   split_routers: bool = True) -> list[Pass]:
+                   split_routers: bool = True, fuse_router_select: bool = True) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
@@ -56,7 +57,9 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
     runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
     routers. `split_routers` (default) adds split_routers after it: in bf16 graphs of prefill size each linear
-    router (composed ones too) runs on tensor cores over its weight as a bf16 pair."""
+    router (composed ones too) runs on tensor cores over its weight as a bf16 pair. `fuse_router_select` (default)
+    adds fuse_router_select last: a split router whose one reader is a dense-masked op's select runs inside that
+    select (wide.routed_select / wide.routed_gated_select), no launch of its own."""
     check_sparse_attention(sparse_attention)
     check_fuse_norm_router(fuse_norm_router)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
@@ -65,17 +68,18 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     passes += [ComposeRouters()] if compose_routers else []
     passes += [FuseNormRouter(prefill_only=fuse_norm_router == "prefill")] if fuse_norm_router else []
     passes += [SplitRouters()] if split_routers else []
-    return passes + ([SumRouters()] if sum_routers else [])
+    passes += [SumRouters()] if sum_routers else []
+    return passes + ([FuseRouterSelect()] if fuse_router_select else [])
 
 
 class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                  sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                 split_routers: bool = True):
+                 split_routers: bool = True, fuse_router_select: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
-                                                                             split_routers)
+                                                                             split_routers, fuse_router_select)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
@@ -160,7 +164,9 @@ def _kernel_detail(b, plural: bool) -> str:
     if b.router_forms:
         parts.append("router: " + ", ".join({"composed": "pair composed into one linear map",
                                              "summed": "summed over the width",
-                                             "split": "on tensor cores over a bf16 pair"}[f] for f in b.router_forms))
+                                             "split": "on tensor cores over a bf16 pair",
+                                             "in_select": "computed in its dense-masked op's select"}[f]
+                                            for f in b.router_forms))
     if b.router_fused:
         parts.append("norm + router: wide.rmsnorm_router")
     return "".join("; " + p for p in parts)
