@@ -28,7 +28,7 @@ def compile_counts(T, recipe="wide", dtype=torch.bfloat16, arch="smollm2", **pm)
     (gm0, ex0), = capture(model, input_ids=ids)
     PassManager(**{**pm, "fuse_router_select": False}).run(gm0, ex0, kernel_path=path)
     (gm, ex), = capture(model, input_ids=ids)
-    ctx = PassManager(**pm).run(gm, ex, kernel_path=path)
+    ctx = PassManager(**{"fuse_router_select": True, **pm}).run(gm, ex, kernel_path=path)
     with torch.no_grad():
         like = model(input_ids=ids).logits
     ref = run_logits(gm0, ex0, like)
@@ -71,7 +71,7 @@ def test_a_mask_with_a_second_reader_keeps_its_router():
 
 def test_optimize_through_inductor_on_the_cpu():
     """optimize(..., kernel_path="dense") on a bf16 model: the prefill-size graph's routers run in their selects and
-    the logits stay the eager reference's (bf16: 5e-2); fuse_router_select=False keeps them out."""
+    the logits stay the eager reference's (bf16: 5e-2); without the option (the default) they stay out."""
     torch._dynamo.reset()
     model, ref = tiny_model("smollm2").to(torch.bfloat16), tiny_model("smollm2").to(torch.bfloat16)
     ref.load_state_dict(model.state_dict())
@@ -82,13 +82,13 @@ def test_optimize_through_inductor_on_the_cpu():
     L = model.config.num_hidden_layers
     with torch.no_grad():
         want = ref(input_ids=ids).logits
-        got = wc.optimize(model, routers, kernel_path="dense")(input_ids=ids).logits
+        got = wc.optimize(model, routers, kernel_path="dense", fuse_router_select=True)(input_ids=ids).logits
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     assert sum(r.counts.get("fuse_router_select.fused", 0) for r in model._wide_reports) == 2 * L
     torch._dynamo.reset()
     off = tiny_model("smollm2").to(torch.bfloat16)
     off.load_state_dict(ref.state_dict(), strict=False)
     with torch.no_grad():
-        got = wc.optimize(off, routers, kernel_path="dense", fuse_router_select=False)(input_ids=ids).logits
+        got = wc.optimize(off, routers, kernel_path="dense")(input_ids=ids).logits
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     assert sum(r.counts.get("fuse_router_select.fused", 0) for r in off._wide_reports) == 0

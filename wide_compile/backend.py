@@ -31,9 +31,9 @@ Options (keyword arguments, or torch.compile(..., options={...})):
     split_routers  True (default): in bf16 graphs of more than DECODE_T tokens each linear router (composed pair
                    routers too) runs as one bf16 tensor-core GEMM over its weight as a bf16 pair
                    (passes/split_routers.py); False keeps the fp32 GEMM
-    fuse_router_select  True (default): a split router whose one reader is a dense-masked op's select (the MLP's
-                   act(g) * u, o_proj's input) is computed in that select's launch (passes/fuse_router_select.py);
-                   False keeps its own GEMM
+    fuse_router_select  True: a split router whose one reader is a dense-masked op's select (the MLP's act(g) * u,
+                   o_proj's input) is computed in that select's launch (passes/fuse_router_select.py); default False
+                   (its own GEMM), opt-in: benchmarks/results/lean-h100/README.md has its timings
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears
@@ -104,7 +104,7 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
                              fuse_qkv=bool(own.get("fuse_qkv", True)),
                              compose_routers=bool(own.get("compose_routers", True)),
                              split_routers=bool(own.get("split_routers", True)),
-                             fuse_router_select=bool(own.get("fuse_router_select", True)))
+                             fuse_router_select=bool(own.get("fuse_router_select", False)))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=_mask_stats(own))

@@ -89,7 +89,7 @@ class BenchOptions:
     fuse_qkv: bool = True
     compose_routers: bool = True
     split_routers: bool = True
-    fuse_router_select: bool = True
+    fuse_router_select: bool = False
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -309,9 +309,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="pair routers as their two layers (optimize(..., compose_routers=False))")
     p.add_argument("--no-split-routers", dest="split_routers", action="store_false",
                    help="prefill-size routers as fp32 GEMMs, not over a bf16 pair (optimize(..., split_routers=False))")
-    p.add_argument("--no-fuse-router-select", dest="fuse_router_select", action="store_false",
-                   help="a split router read by one dense-masked select keeps its own GEMM launch "
-                        "(optimize(..., fuse_router_select=False))")
+    p.add_argument("--fuse-router-select", action="store_true",
+                   help="a split router read by one dense-masked select runs in that select's launch "
+                        "(optimize(..., fuse_router_select=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

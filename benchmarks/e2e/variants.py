@@ -21,8 +21,8 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
   wide_pair_routers  wide with pair routers as their two layers (compose_routers=False): what composing them buys
   wide_fp32_routers  wide with the prefill-size routers as fp32 GEMMs (split_routers=False): what running them
                 over a bf16 pair on tensor cores buys
-  wide_router_gemm  wide with each split router as its own GEMM launch (fuse_router_select=False): what computing
-                it in the dense-masked select that reads it buys
+  wide_router_select  wide with each split router computed in the dense-masked select that reads it
+                (fuse_router_select=True): what that fusion buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -248,7 +248,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     _wide_ab("wide_qkv_split", "speedup, K/V unfused", fuse_qkv=False),
     _wide_ab("wide_pair_routers", "speedup, pair routers uncomposed", compose_routers=False),
     _wide_ab("wide_fp32_routers", "speedup, fp32 prefill routers", split_routers=False),
-    _wide_ab("wide_router_gemm", "speedup, routers as their own GEMMs", fuse_router_select=False),
+    _wide_ab("wide_router_select", "speedup, routers in their selects", fuse_router_select=True),
     _wide_ab("wide_sparse_attn", "speedup, sparse attention", sparse_attention=True),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),

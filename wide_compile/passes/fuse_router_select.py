@@ -1,4 +1,4 @@
-"""Pass 11 (default; optimize(..., fuse_router_select=False) turns it off): where a block's split-bf16 router
+"""Pass 12 (opt-in: optimize(..., fuse_router_select=True)): where a block's split-bf16 router
 (split_routers) feeds one dense-masked op only, the router runs inside that op's select
 (kernels/routed_select.py): the MLP's act(g) * u select (wide.routed_gated_select) or the select of o_proj's input
 (wide.routed_select). The routing then adds no launch to the block.

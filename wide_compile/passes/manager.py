@@ -42,7 +42,7 @@ def check_fuse_norm_router(value) -> None:
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                   split_routers: bool = True, fuse_router_select: bool = True) -> list[Pass]:
+                   split_routers: bool = True, fuse_router_select: bool = False) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
@@ -57,9 +57,10 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
     runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
     routers. `split_routers` (default) adds split_routers after it: in bf16 graphs of prefill size each linear
-    router (composed ones too) runs on tensor cores over its weight as a bf16 pair. `fuse_router_select` (default)
-    adds fuse_router_select last: a split router whose one reader is a dense-masked op's select runs inside that
-    select (wide.routed_select / wide.routed_gated_select), no launch of its own."""
+    router (composed ones too) runs on tensor cores over its weight as a bf16 pair. `fuse_router_select` adds
+    fuse_router_select last: a split router whose one reader is a dense-masked op's select runs inside that select
+    (wide.routed_select / wide.routed_gated_select), no launch of its own; opt-in: at SmolLM2's prefill it was
+    slower than the router GEMM and Inductor's select it replaces (benchmarks/results/lean-h100/README.md)."""
     check_sparse_attention(sparse_attention)
     check_fuse_norm_router(fuse_norm_router)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
@@ -76,7 +77,7 @@ class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                  sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                 split_routers: bool = True, fuse_router_select: bool = True):
+                 split_routers: bool = True, fuse_router_select: bool = False):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
                                                                              split_routers, fuse_router_select)
