@@ -66,6 +66,9 @@
 #                          fused add + norm + router per row split, and at T = 2048 its rows and tiles forms, beside
 #                          Inductor's norm and the unfused norm + router (fp32 GEMM; split bf16 at 2048), SmolLM2
 #                          and 8B shapes, T = 1, 8 and 2048) into $OUT/norm-router/
+#   routed_select          tests/test_kernel_routed_select.py compiled on CUDA, then benchmarks/bench_routed_select.py (the
+#                          router inside the select against the router GEMM + Inductor's select, with its tile sweep,
+#                          SmolLM2 and 8B shapes at T = 2048) into $OUT/routed-select/
 #   attention              the attention kernels compiled on CUDA (their tests), the decode table and the
 #                          prefill table with its tile sweep (benchmarks/results/attention/); a GPU without a tuned
 #                          decode file (kernels/configs/attn_decode/) is swept first and its file written there
@@ -484,6 +487,12 @@ step() {
       tests/test_kernel_norm_router.py > "$OUT/norm-router-tests-cuda.log" 2>&1; tail -2 "$OUT/norm-router-tests-cuda.log"
     timeout "${NR_TIMEOUT:-240}" python3 benchmarks/bench_norm_router.py --out "$OUT/norm-router" \
       > "$OUT/norm-router.log" 2>&1; grep " us$" "$OUT/norm-router.log" | tail -40 ;;
+  routed_select)  # the router-in-the-select kernel's tests compiled on CUDA, then its timings against the router GEMM
+    # + Inductor's select and its tile sweep (benchmarks/bench_routed_select.py) into $OUT/routed-select/
+    TRITON_INTERPRET=0 timeout "${RS_TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernel_routed_select.py > "$OUT/routed-select-tests-cuda.log" 2>&1; tail -2 "$OUT/routed-select-tests-cuda.log"
+    timeout "${RS_TIMEOUT:-240}" python3 benchmarks/bench_routed_select.py --out "$OUT/routed-select" \
+      > "$OUT/routed-select.log" 2>&1; grep " us" "$OUT/routed-select.log" | tail -40 ;;
   tokens)  # the raw text carried as .data/train-text(-gz) is tokenized there (16 cores); else the token file that
     # join_parts joined (tokens.npy.gz, tokenized here by wide_compile.training.data), else the halves are joined
     local d

@@ -50,7 +50,7 @@ def logits64(h, w2, b, G):
 
 
 def check(T, D, G, GS, dtype=torch.bfloat16, glu=True, act="silu", poison=False, **kw):
-    launch = {k: kw.pop(k) for k in ("rows", "groups_per_program") if k in kw}
+    launch = {k: kw.pop(k) for k in ("rows", "cols", "sub_cols", "num_warps") if k in kw}
     h, w2, b, a, u = make(T, D, G, GS, dtype, glu, **kw)
     z, bound = logits64(h, w2, b, G)
     if poison:  # NaN / inf in the columns of every group the float64 router turns off
@@ -81,8 +81,8 @@ def check(T, D, G, GS, dtype=torch.bfloat16, glu=True, act="silu", poison=False,
 @pytest.mark.parametrize("T,D,G,GS", [(1, 16, 1, 16), (37, 96, 9, 16), (33, 70, 3, 12), (5, 576, 24, 64),
                                       (19, 130, 11, 8)])
 def test_kernel_matches_float64(T, D, G, GS, glu):
-    """Odd widths (D 70, 130: K steps past the end), ragged row tiles, G over two group programs (9, 11, 24 > 8),
-    group sizes not a power of two (12), one row, one group."""
+    """Odd widths (D 70, 130: K steps past the end), ragged row tiles, several column programs (24 x 64 columns),
+    group sizes not a power of two (12) or smaller than a column step (8), one row, one group."""
     check(T, D, G, GS, glu=glu, seed=T)
 
 
@@ -112,10 +112,11 @@ def test_inactive_groups_holding_nan_stay_zero(glu):
     check(29, 64, 9, 16, glu=glu, poison=True, seed=7)
 
 
-@pytest.mark.parametrize("rows,gpp", [(16, 1), (32, 3), (64, 8)])
-def test_launch_shapes(rows, gpp):
-    """Row tiles of 16 to 64 and 1 to 8 groups per program select the same."""
-    check(70, 96, 10, 16, rows=rows, groups_per_program=gpp, seed=8)
+@pytest.mark.parametrize("rows,cols,sub_cols", [(16, 16, 16), (32, 48, 16), (64, 512, 128), (16, 64, 32)])
+def test_launch_shapes(rows, cols, sub_cols):
+    """Row tiles of 16 to 64, column programs of 16 to 512 columns (a last program past the end, sub-blocks that
+    split a group or hold several) select the same."""
+    check(70, 96, 10, 12, rows=rows, cols=cols, sub_cols=sub_cols, seed=8)
 
 
 def test_bad_inputs_say_what_to_do():
@@ -128,6 +129,8 @@ def test_bad_inputs_say_what_to_do():
         RS.routed_select_triton(a, h, w2, b, 16, u, act="relu")
     with pytest.raises(ValueError, match="bf16 pair"):
         RS.routed_select_triton(a, h, w2[:, :16], b, 16, u)
+    with pytest.raises(ValueError, match="powers of two"):
+        RS.routed_select_triton(a, h, w2, b, 16, u, rows=24)
 
 
 def test_reference_is_the_split_router_then_the_select():

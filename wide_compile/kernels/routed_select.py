@@ -8,10 +8,12 @@ whose fp32 logits that select then reads. This kernel computes the logits of its
 router input the block already holds (h @ [hi; lo]^T, fp32 accumulation, then hi + lo + bias, as split_logits) and
 applies the threshold and the select in the same program: the routing adds no launch to the block.
 
-Program (i, j): rows i BT .. i BT + BT - 1, groups j GPP .. j GPP + GPP - 1. The logits of every group of its rows
-([BT, BG], BG >= G) come from K steps of BK columns of h (two tl.dot, hi and lo); programs of one row tile
-recompute them (a [BT, D] x [D, 2 BG] product, small against the [BT, GPP GS] tile each one selects). Each group's
-column of the decision is pulled out of the register tile by a masked sum over the group axis.
+Program (i, j): rows i BT .. i BT + BT - 1, columns j BN .. j BN + BN - 1. The logits of every group of its rows
+([BT, BG], BG >= G) come from K steps of BK columns of h (two tl.dot, hi and lo); the programs of one row tile
+recompute them (a [BT, D] x [D, 2 BG] product, small against the [BT, BN] tiles each one selects). The decisions
+reach the columns through a second small dot: on [BT, BG] (0 / 1) times the one-hot [BG, BNS] of each column's
+group gives each column's decision, exact in any float type, for any group size. The program then walks its
+columns in sub-blocks of BNS, each a [BT, BNS] tile of a (and u) read only where its group is on.
 
 Same semantics as dense_masked.gated_select_ref / _select on the mask router_fns.split_router_mask gives: inactive
 groups are exactly 0 (a select: g, u, a of an inactive group are not read), act(g) * u in fp32, rounded once. The
@@ -31,19 +33,20 @@ from .dense_masked import _select, gated_select_ref
 from .reorder import _launcher, alloc
 from .tuning import interpreting
 
-ROWS = 16  # BT: rows per program (T = 2048 gives 128 row tiles)
-GROUPS_PER_PROGRAM = 8  # GPP: groups each program selects (SmolLM2's 24 FFN groups: 3 programs per row tile)
+ROWS = 32  # BT: rows per program (T = 2048: 64 row tiles)
+COLS = 512  # BN: columns per program (SmolLM2's FFN, 1536 columns: 3 programs per row tile; its attention: 2)
+SUB_COLS = 128  # BNS: columns per step inside a program
 K_STEP = 64  # BK: columns of h per dot step
 
 
 @triton.jit
-def _routed_select_kernel(a_ptr, u_ptr, h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, T, D, G, Gp,
+def _routed_select_kernel(a_ptr, u_ptr, h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, T, N, D, G, Gp,
                           stride_at, stride_ut, stride_ht, stride_wg, stride_yt, stride_mt,
-                          GS: tl.constexpr, GSP: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
-                          BK: tl.constexpr, GPP: tl.constexpr, GLU: tl.constexpr, ACT: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, STORE_MASK: tl.constexpr, UPCAST: tl.constexpr):
-    # a (GLU: the gate g), u: [T, G GS]; h: [T, D] bf16; w: [2 Gp, D] bf16 (hi rows, then lo rows); b: [G] fp32
-    # y: [T, G GS] in a's dtype; m: [T, G] uint8, written by the first group program of each row tile (STORE_MASK)
+                          GS: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                          BNS: tl.constexpr, GLU: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          STORE_MASK: tl.constexpr, UPCAST: tl.constexpr):
+    # a (GLU: the gate g), u: [T, N = G GS]; h: [T, D] bf16; w: [2 Gp, D] bf16 (hi rows, then lo rows); b: [G] fp32
+    # y: [T, N] in a's dtype; m: [T, G] uint8, written by the first column program of each row tile (STORE_MASK)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rv = rows < T
     rows = rows.to(tl.int64)
@@ -68,18 +71,21 @@ def _routed_select_kernel(a_ptr, u_ptr, h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, T, D,
     z = acc_hi + acc_lo  # split_logits' order: hi + lo, then the bias
     if HAS_BIAS:
         z = z + tl.load(b_ptr + gi, mask=gv, other=0.0)[None, :]
-    on = ((z > 0) & gv[None, :]).to(tl.int32)  # [BT, BG]
+    on = (z > 0) & gv[None, :]  # [BT, BG]
     if STORE_MASK:
         if tl.program_id(1) == 0:
             tl.store(m_ptr + rows[:, None] * stride_mt + gi[None, :], on.to(tl.uint8), mask=rv[:, None] & gv[None, :])
-    cs = tl.arange(0, GSP)
-    cv = cs < GS
-    for gg in range(0, GPP):
-        g = tl.program_id(1) * GPP + gg
-        cols = g * GS + cs
-        keep = rv[:, None] & (cv & (cols < G * GS))[None, :]  # past the last group: nothing (a vector test)
-        on_g = tl.sum(tl.where(gi[None, :] == g, on, 0), axis=1)  # [BT]: group g's decision per row
-        ld = keep & (on_g[:, None] > 0)
+    on_f = on.to(tl.float32 if UPCAST else tl.float16)
+    for c0 in range(0, BN, BNS):
+        cols = tl.program_id(1) * BN + c0 + tl.arange(0, BNS)
+        cv = cols < N
+        onehot = ((cols[None, :] // GS) == gi[:, None]).to(on_f.dtype)  # [BG, BNS]: each column's group
+        if UPCAST:
+            col_on = tl.dot(on_f, onehot, input_precision="ieee")
+        else:
+            col_on = tl.dot(on_f, onehot)  # [BT, BNS]: 1.0 where the column's group is on, exact
+        keep = rv[:, None] & cv[None, :]
+        ld = keep & (col_on > 0.5)
         av = tl.load(a_ptr + rows[:, None] * stride_at + cols[None, :], mask=ld, other=0.0)
         if GLU:
             uv = tl.load(u_ptr + rows[:, None] * stride_ut + cols[None, :], mask=ld, other=0.0)
@@ -120,11 +126,15 @@ def routed_select_ref(a, h, w2, b: Optional[torch.Tensor], group_size: int, u: O
 
 
 def routed_select_triton(a, h, w2, b: Optional[torch.Tensor], group_size: int, u: Optional[torch.Tensor] = None,
-                         act: str = "silu", wrap: bool = False, return_mask: bool = False,
-                         rows: int = ROWS, groups_per_program: int = GROUPS_PER_PROGRAM):
+                         act: str = "silu", wrap: bool = False, return_mask: bool = False, rows: int = ROWS,
+                         cols: int = COLS, sub_cols: int = SUB_COLS, num_warps: int = 4):
     """routed_select_ref in one Triton launch; return_mask also returns the decisions [T, G] (uint8) the kernel
-    took (tests compare them with the float64 logits)."""
+    took (tests compare them with the float64 logits). rows / cols: each program's tile; sub_cols: the columns of
+    one step inside it (powers of two, sub_cols dividing cols)."""
     check_routed_select(a, u, h, w2, b, group_size, act)
+    if cols % sub_cols or any(v & (v - 1) or v < 16 for v in (rows, sub_cols)):
+        raise ValueError(f"routed_select: rows {rows} and sub_cols {sub_cols} must be powers of two >= 16 and "
+                         f"sub_cols must divide cols {cols}")
     a = a if a.stride(-1) == 1 else a.contiguous()
     u = None if u is None else (u if u.stride(-1) == 1 else u.contiguous())
     h = h if h.stride(-1) == 1 else h.contiguous()
@@ -136,14 +146,15 @@ def routed_select_triton(a, h, w2, b: Optional[torch.Tensor], group_size: int, u
     y = alloc((T, N), a.dtype, a.device)
     m = alloc((T, G), torch.uint8, a.device) if return_mask else y
     if T > 0:
-        gpp = min(groups_per_program, G)
-        _launcher(_routed_select_kernel, wrap)[(triton.cdiv(T, rows), triton.cdiv(G, gpp))](
-            a, u if u is not None else a, h, w2, b if b is not None else w2, y, m, T, D, G, Gp,
+        bn = min(cols, triton.cdiv(N, sub_cols) * sub_cols)
+        _launcher(_routed_select_kernel, wrap)[(triton.cdiv(T, rows), triton.cdiv(N, bn))](
+            a, u if u is not None else a, h, w2, b if b is not None else w2, y, m, T, N, D, G, Gp,
             a.stride(0), (u if u is not None else a).stride(0), h.stride(0), w2.stride(0), y.stride(0),
             m.stride(0) if return_mask else 0,
-            GS=group_size, GSP=triton.next_power_of_2(group_size), BT=rows, BG=max(16, triton.next_power_of_2(G)),
-            BK=max(16, min(K_STEP, triton.next_power_of_2(D))), GPP=gpp, GLU=u is not None, ACT=ACT_IDS[act],
-            HAS_BIAS=b is not None, STORE_MASK=return_mask, UPCAST=interpreting(), num_warps=4)
+            GS=group_size, BT=rows, BG=max(16, triton.next_power_of_2(G)),
+            BK=max(16, min(K_STEP, triton.next_power_of_2(D))), BN=bn, BNS=sub_cols, GLU=u is not None,
+            ACT=ACT_IDS[act], HAS_BIAS=b is not None, STORE_MASK=return_mask, UPCAST=interpreting(),
+            num_warps=num_warps)
     return (y, m) if return_mask else y
 
 
