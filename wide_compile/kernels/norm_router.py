@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .dots import exact_dot
 from .reorder import _launcher
 from .tuning import interpreting
 
@@ -229,19 +230,14 @@ def _router_tile_dot(acc, h, w_ptr, g, gv, d, dv, D, SPLIT_BF16: tl.constexpr, U
     # acc [BT, BG] += h [BT, BD] @ w[g, d]^T, the fp32 weight tile [BD, BG] read once for the BT rows.
     # SPLIT_BF16 (bf16 h): two bf16 tensor-core dots over the tile held as a bf16 pair hi + lo (about 16 mantissa
     # bits; a bf16 x bf16 product is exact in fp32), the arithmetic of split_routers' GEMM; else one fp32 dot.
-    # UPCAST: the Triton CPU interpreter mis-computes bf16 dots: the same bf16 values upcast (exactly) to fp32
+    # UPCAST: under the Triton CPU interpreter (dots.exact_dot)
     wt = tl.load(w_ptr + g[None, :] * D + d[:, None], mask=dv[:, None] & gv[None, :], other=0.0)
     if SPLIT_BF16:
         hi = wt.to(tl.bfloat16)
         lo = (wt - hi.to(tl.float32)).to(tl.bfloat16)
         hb = h.to(tl.bfloat16)
-        if UPCAST:
-            hf = hb.to(tl.float32)
-            acc = tl.dot(hf, hi.to(tl.float32), acc, input_precision="ieee")
-            acc = tl.dot(hf, lo.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(hb, hi, acc)
-            acc = tl.dot(hb, lo, acc)
+        acc = exact_dot(hb, hi, acc, UPCAST)
+        acc = exact_dot(hb, lo, acc, UPCAST)
     else:
         acc = tl.dot(h.to(tl.float32), wt, acc, input_precision="ieee")
     return acc

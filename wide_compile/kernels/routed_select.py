@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..routing.router_fns import split_router_mask
 from .activations import ACT_IDS, gated_act
+from .dots import exact_dot
 from .dense_masked import _select, gated_select_ref
 from .reorder import _launcher, alloc
 from .tuning import interpreting
@@ -61,13 +62,8 @@ def _routed_select_kernel(a_ptr, u_ptr, h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, T, N,
         wmask = gv[None, :] & kv[:, None]
         w_hi = tl.load(w_ptr + gi[None, :] * stride_wg + kk[:, None], mask=wmask, other=0.0)  # [BK, BG]
         w_lo = tl.load(w_ptr + (Gp + gi)[None, :] * stride_wg + kk[:, None], mask=wmask, other=0.0)
-        if UPCAST:  # the CPU interpreter mis-computes bf16 dots: the same values upcast exactly to fp32
-            xf = x.to(tl.float32)
-            acc_hi = tl.dot(xf, w_hi.to(tl.float32), acc_hi, input_precision="ieee")
-            acc_lo = tl.dot(xf, w_lo.to(tl.float32), acc_lo, input_precision="ieee")
-        else:
-            acc_hi = tl.dot(x, w_hi, acc_hi)
-            acc_lo = tl.dot(x, w_lo, acc_lo)
+        acc_hi = exact_dot(x, w_hi, acc_hi, UPCAST)
+        acc_lo = exact_dot(x, w_lo, acc_lo, UPCAST)
     z = acc_hi + acc_lo  # split_logits' order: hi + lo, then the bias
     if HAS_BIAS:
         z = z + tl.load(b_ptr + gi, mask=gv, other=0.0)[None, :]
@@ -75,15 +71,13 @@ def _routed_select_kernel(a_ptr, u_ptr, h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, T, N,
     if STORE_MASK:
         if tl.program_id(1) == 0:
             tl.store(m_ptr + rows[:, None] * stride_mt + gi[None, :], on.to(tl.uint8), mask=rv[:, None] & gv[None, :])
-    on_f = on.to(tl.float32 if UPCAST else tl.float16)
+    on_f = on.to(tl.float16)
     for c0 in range(0, BN, BNS):
         cols = tl.program_id(1) * BN + c0 + tl.arange(0, BNS)
         cv = cols < N
-        onehot = ((cols[None, :] // GS) == gi[:, None]).to(on_f.dtype)  # [BG, BNS]: each column's group
-        if UPCAST:
-            col_on = tl.dot(on_f, onehot, input_precision="ieee")
-        else:
-            col_on = tl.dot(on_f, onehot)  # [BT, BNS]: 1.0 where the column's group is on, exact
+        onehot = ((cols[None, :] // GS) == gi[:, None]).to(tl.float16)  # [BG, BNS]: each column's group
+        # [BT, BNS]: 1.0 where the column's group is on (one product of 1s in a sum of 0s: exact)
+        col_on = exact_dot(on_f, onehot, tl.zeros((BT, BNS), dtype=tl.float32), UPCAST)
         keep = rv[:, None] & cv[None, :]
         ld = keep & (col_on > 0.5)
         av = tl.load(a_ptr + rows[:, None] * stride_at + cols[None, :], mask=ld, other=0.0)
