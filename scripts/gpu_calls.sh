@@ -469,7 +469,7 @@ step() {
     TRITON_INTERPRET=0 timeout "${KT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_triton.py \
       2>&1 | tee "$OUT/kernel-tests-cuda.log" | tail -15 ;;
   lean)
-    [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+    [ "${LEAN_TESTS:-1}" = 1 ] && TRITON_INTERPRET=0 timeout "${LT_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernel_norm_router.py tests/test_kernel_routed_select.py tests/test_cost_model.py tests/test_pass_fuse_qkv.py 2>&1 \
       | tee "$OUT/lean-tests-cuda.log" | tail -4
     [ "${LEAN_8B:-1}" = 1 ] && e2e "e2e-lean-8b${LEAN_NAME:-}" "${LEAN_8B_TIMEOUT:-250}" --models llama-3.1-8b \
