@@ -23,7 +23,8 @@ from wide_compile.kernels.reorder import mask_reorder_triton
 
 
 CHECKS = [("check_mlp_body", (T,)) for T in (3, 8, 130)] + [("check_one_token_gemv_bodies", ())] + [
-    ("check_attention_projection_bodies", (T,)) for T in (3, 8, 130)] + [("check_mask_reorder_body", ())]
+    ("check_attention_projection_bodies", (T,)) for T in (3, 8, 130)] + [("check_mask_reorder_body", ())] + [
+    ("check_routed_select_bodies", ())]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,21 @@ def check_mask_reorder_body():
     gm = _trace(lambda m: mask_reorder_triton(m, 16, wrap=True), ((37, 5), BOOL))
     assert _bool_dtype_views(gm) == []
     assert _kernel_launches(gm) >= 3
+
+
+def test_routed_select_bodies(isolated):
+    _run_isolated(isolated, "check_routed_select_bodies")
+
+
+def check_routed_select_bodies():
+    """The router-in-the-select ops' CUDA bodies (routed_select_ops): one Triton launch each, the select of o_proj's
+    input and the MLP's act(g) * u, with and without the router's bias (then the pair's rows say G)."""
+    from wide_compile.kernels.routed_select_ops import _routed_gated_select_impl, _routed_select_impl
+
+    F32 = torch.float32
+    go = _trace(lambda a, h, w2, b: _routed_select_impl(a, h, w2, b, 16),
+                ((130, 96), BF16), ((130, 64), BF16), ((16, 64), BF16), ((6,), F32))
+    gg = _trace(lambda g, u, h, w2: _routed_gated_select_impl(g, u, h, w2, None, 16, "silu"),
+                ((130, 128), BF16), ((130, 128), BF16), ((130, 64), BF16), ((16, 64), BF16))
+    for gm in (go, gg):
+        assert _bool_dtype_views(gm) == [] and _kernel_launches(gm) == 1
