@@ -337,3 +337,61 @@ def test_stage2_init_lora_starts_from_a_saved_adapter(tmp_path):
         train_stage2(model, routers, blocks, Stage2Config(steps=1, batch_size=4, seq_len=32, eval_blocks=4,
                                                           calib_blocks=4, init_lora=str(tmp_path / "r.safetensors")),
                      **QUIET)
+
+
+def test_stage2_trains_toward_the_target_texts_capacity(tmp_path):
+    """target_blocks (calib_text): the training targets move by the capacity gap measured before training between
+    the target text and the held-out train text, and the final calibration brings the target text to the targets
+    themselves. The target text here is a narrow slice of the vocabulary, which the random routers route
+    differently from the uniform train text (four token ids)."""
+    from wide_compile.routing.calibrate import deterministic_capacity
+    from wide_compile.training.heldout import split_heldout
+    from wide_compile.training.stage2 import apply_lora, target_text_gap
+
+    model = tiny_model("smollm2", seed=7)
+    blocks = _blocks(seed=4)
+    routers = wc.Routers.init(model, _s1().wide_config(model), seed=1)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # random margins (init starts with every group on: no gap to see)
+        for p in routers.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    target = torch.from_numpy(np.random.default_rng(9).integers(0, 4, 8 * 32)).view(8, 32)
+    c2 = Stage2Config.for_recipe("wide", epochs=0.05, batch_size=4, seq_len=32, rank=4, alpha=8, eval_blocks=4,
+                                 calib_blocks=4, capacity=0.5, separate_targets=True)
+    calib, _ = split_heldout(blocks.heldout, c2.calib_blocks, c2.eval_blocks)
+    gap = target_text_gap(apply_lora(__import__("copy").deepcopy(model), 4, 8), routers, calib, target)
+    assert abs(gap["overall"]) > 0.05  # the two texts are routed differently: the test can see a shift
+    merged, r2, _ = train_stage2(model, routers, blocks, c2, out_dir=tmp_path / "s2", target_blocks=target, **QUIET)
+    s = json.loads((tmp_path / "s2" / "stage2.json").read_text())["target_text"]
+    for k in ("overall", "attn", "ffn"):
+        assert s["gap"][k] == pytest.approx(gap[k], abs=1e-6)
+        assert s["training_targets"][k] == pytest.approx(min(1.0, max(0.0, 0.5 - gap[k])), abs=1e-6)
+        assert s["targets"][k] == 0.5
+    after = deterministic_capacity(merged, r2, target)
+    assert after["overall"] == pytest.approx(0.5, abs=0.004)  # the calibration's tolerance, 0.003
+    assert abs(deterministic_capacity(merged, r2, calib)["overall"] - 0.5) > 0.004  # the train text would not do
+    with pytest.raises(ValueError, match="joint"):
+        train_stage2(model, routers, blocks, Stage2Config(steps=1, batch_size=4, seq_len=32, eval_blocks=4,
+                                                          calib_blocks=4), target_blocks=target, **QUIET)
+
+
+def test_stage2_command_takes_a_target_text(tmp_path):
+    """--calib-text / --calib-text-tokens are stage 2 options; a smoke run (no tokenizer) refuses one; text_blocks
+    cuts a text's tokens into whole blocks."""
+    from wide_compile.training.options import config_from_args
+    from wide_compile.training.stage2 import main, parser, text_blocks
+
+    a = parser().parse_args(["--routers", "r.safetensors", "--out", str(tmp_path), "--calib-text", "wiki.valid.raw",
+                             "--calib-text-tokens", "4096"])
+    cfg = config_from_args(a, Stage2Config, skip=())
+    assert (cfg.calib_text, cfg.calib_text_tokens) == ("wiki.valid.raw", 4096)
+    with pytest.raises(SystemExit, match="tokenizer"):
+        main(["--routers", "r.safetensors", "--out", str(tmp_path), "--smoke", "--calib-text", "wiki.valid.raw",
+              "--device", "cpu"])
+    f = tmp_path / "t.txt"
+    f.write_text("a b c d e f g")
+    tok = lambda s, add_special_tokens: {"input_ids": [ord(c) for c in s]}  # noqa: E731
+    b = text_blocks(tok, f, 100, 4)
+    assert b.shape == (3, 4) and b[0].tolist() == [ord(c) for c in "a b "]
+    with pytest.raises(SystemExit, match="fewer than one block"):
+        text_blocks(tok, f, 100, 64)

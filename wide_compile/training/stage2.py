@@ -9,6 +9,14 @@ model (adapters disabled, routers detached), run under no_grad.
 Budget, held-out evaluation, early stopping and exact resume as stage 1 (training/loop.py). After training
 the jointly trained routers are calibrated back to their capacity targets.
 
+Target text (`calib_text`, `train_stage2(..., target_blocks=)`): the capacity a set reaches on held-out train text is
+not the one it runs at on another text (SmolLM2's sets calibrated to 0.7 on train text measure 0.71-0.725 on
+WikiText-2: benchmarks/results/quality-smollm2/s2-more-c70/), and moving them there after training costs quality
+the training never saw. Given blocks of the text the capacity is meant for, stage 2 measures each kind's capacity
+gap between that text and the held-out train text once, before training (hard decisions, the routers and LoRA it
+starts from), trains toward the targets minus that gap, and calibrates the final margins on the target text to the
+targets themselves.
+
 `train_stage2` returns (merged_model, routers, lora_state): the LoRA merged into a copy of the base weights
 (a plain HF model, routers detached), the routers (possibly updated), and the adapter tensors (to save).
 Files (<out>): lora.safetensors, routers.safetensors, curve.json / curve.png, stage2.json, ckpt/.
@@ -80,6 +88,8 @@ class Stage2Config:
     eval_calibrated: bool = True
     calibrate: bool = True
     amp: bool = False
+    calib_text: str | None = None  # a raw text file the capacity targets are meant for (see the module docstring)
+    calib_text_tokens: int = 8192  # tokens of calib_text measured (whole blocks of seq_len)
 
     @classmethod
     def for_recipe(cls, recipe: str, **kw) -> "Stage2Config":
@@ -249,10 +259,33 @@ def _stage2_phase(pm, routers: Routers, blocks, cfg: Stage2Config, out_dir, grou
         ckpt_every=cfg.ckpt_every, config=asdict(cfg))
 
 
+def target_text_gap(model, routers: Routers, heldout_calib: torch.Tensor, target_blocks: torch.Tensor,
+                    keys=("overall", "attn", "ffn")) -> dict:
+    """{kind: capacity on target_blocks - capacity on heldout_calib} of `routers` on `model` (hard decisions)."""
+    from ..routing.calibrate import deterministic_capacity
+
+    on_train = deterministic_capacity(model, routers, heldout_calib)
+    on_target = deterministic_capacity(model, routers, target_blocks)
+    return {k: float(on_target[k]) - float(on_train[k]) for k in keys}
+
+
+def shifted_targets(cfg: Stage2Config, routers: Routers, gap: dict) -> Stage2Config:
+    """cfg with each capacity target moved by -gap (the train-text targets whose target-text capacity is cfg's)."""
+    t = cfg.targets(routers)
+    clip = lambda v: min(1.0, max(0.0, v))  # noqa: E731
+    return replace(cfg, capacity=clip(t["overall"] - gap["overall"]),
+                   capacity_attn=clip(t["attn"] - gap["attn"]) if "attn" in t else cfg.capacity_attn,
+                   capacity_ffn=clip(t["ffn"] - gap["ffn"]) if "ffn" in t else cfg.capacity_ffn)
+
+
 def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_dir=None, log=print,
-                 progress: bool = True, clock: Clock | None = None, stop_after: int | None = None):
+                 progress: bool = True, clock: Clock | None = None, stop_after: int | None = None,
+                 target_blocks: torch.Tensor | None = None):
     """Returns (merged model, routers, lora tensors); when the clock's deadline or `stop_after` ends this
     invocation first: (None, routers, None) with routers.train_status == "paused" (re-run to continue).
+    target_blocks [N, S]: blocks of the text the capacity targets are meant for (joint training only; see the
+    module docstring): the training targets move by the routers' capacity gap between it and the held-out train
+    text, and the final calibration runs on it.
 
     Under torchrun (a process group of several ranks) the LoRA-wrapped copy of `base_model` is sharded with
     FSDP2 onto this rank's device (load `base_model` on the CPU); the merged model is built from the gathered
@@ -283,6 +316,18 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
         log, progress = env.main_only(log), progress and env.is_main
     lora_params = [p for n, p in pm.named_parameters() if "lora_" in n]  # (sharded: the DTensor parameters)
     routers = env.broadcast_module_(copy.deepcopy(routers).to(device))
+    final_targets, gap = cfg.targets(routers), None
+    if target_blocks is not None:
+        if not cfg.joint:
+            raise ValueError("target_blocks (calib_text) moves the capacity targets of jointly trained routers: "
+                             "pass joint=True (--joint true), or leave calib_text unset")
+        calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
+        with env.rank0_decisions():
+            gap = target_text_gap(pm, routers, calib, target_blocks)
+        cfg = shifted_targets(cfg, routers, gap)
+        log("stage 2: capacity on the target text minus held-out train text: " +
+            ", ".join(f"{k} {v:+.4f}" for k, v in gap.items()) + "; training targets " +
+            ", ".join(f"{k} {v:.4f}" for k, v in cfg.targets(routers).items()))
     routers.requires_grad_(cfg.joint)
     attach(pm, routers)
     groups = [{"params": lora_params, "base_lr": cfg.lr, "lr": cfg.lr}]
@@ -303,6 +348,8 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
     if cfg.joint and cfg.calibrate:
         calib, _ = split_heldout(blocks.heldout, cfg.calib_blocks, cfg.eval_blocks)
         t = cfg.targets(routers)
+        if target_blocks is not None:  # the targets themselves, on the text they are meant for
+            calib, t = target_blocks, final_targets
         with env.rank0_decisions():  # the same bisection path on every rank
             calibrate_offset_(pm, routers, calib, t["overall"], log=log, target_attn=t.get("attn"),
                               target_ffn=t.get("ffn"))
@@ -314,6 +361,9 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
             routers.save(Path(out_dir) / "routers.safetensors")
             summary = {"config": asdict(cfg), "history": st.curve["train"][-50:], "best_step": st.best_step,
                        "best_ppl": st.best_ppl}
+            if gap is not None:
+                summary["target_text"] = {"gap": gap, "targets": final_targets,
+                                          "training_targets": cfg.targets(routers), "blocks": len(target_blocks)}
             (Path(out_dir) / "stage2.json").write_text(json.dumps(summary))
     env.barrier()
     if env.active:  # the sharded model cannot be merged in place: merge the gathered adapter into a copy
@@ -326,6 +376,16 @@ def train_stage2(base_model, routers: Routers, blocks, cfg: Stage2Config, out_di
     merged.requires_grad_(False)
     merged.train_history = st.curve["train"]
     return merged, routers, state
+
+
+def text_blocks(tok, path, n_tokens: int, seq_len: int) -> torch.Tensor:
+    """The first n_tokens of a raw text file (read as one string, tokenized without special tokens) as whole
+    blocks [n_tokens // seq_len, seq_len]."""
+    ids = tok(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    n = min(n_tokens, len(ids)) // seq_len
+    if n < 1:
+        raise SystemExit(f"{path}: {len(ids)} tokens, fewer than one block of {seq_len}: give a longer text")
+    return torch.tensor(ids[:n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
 def parser():
@@ -365,7 +425,10 @@ def main(argv=None):
     a = parser().parse_args(argv)
     cfg = config_from_args(a, Stage2Config, skip=())
     env, device, load_on = training_device(a.device)
+    target_blocks = None
     if a.smoke:
+        if cfg.calib_text:
+            raise SystemExit("--calib-text needs the real model's tokenizer: drop --smoke or --calib-text")
         model, toks = smoke_model_and_tokens(load_on)
         cfg.steps, cfg.seq_len, cfg.batch_size, cfg.epochs = min(cfg.steps, 10), 64, 4, 0
         chat = smoke_chat_format(model) if a.chat_frac > 0 else None
@@ -374,6 +437,8 @@ def main(argv=None):
         model, toks, tok = real_model_and_tokens(load_on, a.gguf, a.data, a.tokens, with_tokenizer=True,
                                                  dtype=model_dtype(device))
         chat = ChatFormat.from_tokenizer(tok) if a.chat_frac > 0 else None
+        if cfg.calib_text:
+            target_blocks = text_blocks(tok, cfg.calib_text, cfg.calib_text_tokens, cfg.seq_len)
     routers = Routers.load(a.routers, model)
     answers = load_answers(a.answers, cfg.seq_len) if a.answers else None
     blocks = TokenBlocks(toks, cfg.seq_len, chat=chat, chat_frac=a.chat_frac, seed=cfg.seed, answers=answers,
@@ -382,7 +447,8 @@ def main(argv=None):
         print(f"stage 2: {len(blocks.train)} train blocks x {cfg.seq_len} tokens ({len(blocks.chat_rows)} chat turns, "
               f"{len(blocks.answer_rows)} dense answers), {len(blocks.heldout)} held-out")
     clock = Clock(t_start + a.deadline_s if a.deadline_s else None)
-    merged, r, _ = train_stage2(model, routers, blocks, cfg, out_dir=a.out, clock=clock, stop_after=a.stop_after_steps)
+    merged, r, _ = train_stage2(model, routers, blocks, cfg, out_dir=a.out, clock=clock, stop_after=a.stop_after_steps,
+                                target_blocks=target_blocks)
     if merged is None:
         return 75
     if env.is_main:
