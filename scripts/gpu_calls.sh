@@ -596,11 +596,16 @@ np.save('$C/tokens.npy', np.concatenate(a)); print('tokens', sum(len(x) for x in
         eval_quality "$dst" "$C/runs/$dst/routers.safetensors" "$C/runs/$dst/lora.safetensors" \
           "$C/runs/$dst/quality" "$OUT/$dst/quality.log"
     done < <(echo "${WIKIVAL_RUNS:-}" | tr ';' '\n') ;;
-  pack_out)
+  pack_out)  # $OUT's files in one archive, unless it would exceed what a call returns (16 MiB): then they stay
     local name="out-$(date +%H%M%S).tgz"
     (cd "$OUT" && find . -type f ! -name 'out-*.tgz' | sort > /tmp/pack_out.list &&
-      tar czf "$name" -T /tmp/pack_out.list && xargs rm -f < /tmp/pack_out.list &&
-      find . -mindepth 1 -type d -empty -delete && echo "$name: $(wc -l < /tmp/pack_out.list) files") ;;
+      tar czf "/tmp/$name" -T /tmp/pack_out.list &&
+      if [ "$(stat -c %s "/tmp/$name")" -gt 16000000 ]; then
+        rm -f "/tmp/$name"; echo "pack_out: the archive would exceed 16 MiB: $(wc -l < /tmp/pack_out.list) files left as they are"
+      else
+        mv "/tmp/$name" . && xargs rm -f < /tmp/pack_out.list && find . -mindepth 1 -type d -empty -delete &&
+          echo "$name: $(wc -l < /tmp/pack_out.list) files"
+      fi) ;;
   sweep1)  # exit 75: some runs paused or not started; repeat sweep1
     sweep_train ;;
   sweep2)  # exit 75: some runs not scored yet; repeat sweep2 (after sweep1 if a run is not trained)
