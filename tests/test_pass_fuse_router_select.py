@@ -1,4 +1,5 @@
-"""passes/fuse_router_select.py: a split router read only by a dense-masked op's select runs inside that select.
+"""passes/fuse_router_select.py: a split router read only by a dense-masked op's select runs inside that select;
+and rewrite_mlp's fuse_gate_up (gate and up in one GEMM on the dense-masked path), which it composes with.
 Op counts (vLLM style: split_router_mask, wide.o_proj and wide.mlp go, wide_routed_* come), which blocks are left
 alone (compact paths, a mask with a second reader, decode-size graphs, the option off) and the graph's logits
 against the unfused graph and the eager reference (bf16: 5e-2), without Inductor and through it on the CPU."""
@@ -13,7 +14,7 @@ from wide_compile.passes import PassManager, op_counts
 from test_passes_models import attach_random_routers, capture, run_logits
 
 KEYS = ("wide_routed_o_proj_nd", "wide_routed_mlp_nd", "wide_o_proj_nd", "wide_mlp_nd", "split_router_mask",
-        "wide_attn_prefill_nd")
+        "wide_attn_prefill_nd", "wide_mlp_gate_up_nd", "wide_routed_mlp_gate_up_nd")
 
 
 def compile_counts(T, recipe="wide", dtype=torch.bfloat16, arch="smollm2", **pm):
@@ -26,7 +27,7 @@ def compile_counts(T, recipe="wide", dtype=torch.bfloat16, arch="smollm2", **pm)
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(T))
     path = pm.pop("kernel_path", "dense")
     (gm0, ex0), = capture(model, input_ids=ids)
-    PassManager(**{**pm, "fuse_router_select": False}).run(gm0, ex0, kernel_path=path)
+    PassManager(**{**pm, "fuse_router_select": False, "fuse_gate_up": False}).run(gm0, ex0, kernel_path=path)
     (gm, ex), = capture(model, input_ids=ids)
     ctx = PassManager(**{"fuse_router_select": True, **pm}).run(gm, ex, kernel_path=path)
     with torch.no_grad():
@@ -92,3 +93,39 @@ def test_optimize_through_inductor_on_the_cpu():
         got = wc.optimize(off, routers, kernel_path="dense")(input_ids=ids).logits
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     assert sum(r.counts.get("fuse_router_select.fused", 0) for r in off._wide_reports) == 0
+
+
+@pytest.mark.parametrize("select", [False, True])
+def test_gate_and_up_in_one_gemm_on_the_dense_path(select):
+    """fuse_gate_up: the dense-masked MLP runs one GEMM over [gate; up] (a graph constant) and, with
+    fuse_router_select, its router in the select that reads both halves; logits as the unfused graph's."""
+    c, ctx, L = compile_counts(DECODE_T + 40, fuse_gate_up=True, fuse_router_select=select)
+    assert ctx.report.counts["rewrite_mlp.gate_up_fused"] == L and c["wide_mlp_nd"] == 0
+    assert c["wide_routed_mlp_gate_up_nd" if select else "wide_mlp_gate_up_nd"] == L
+    assert "gate and up in one GEMM" in str(ctx.report)
+
+
+def test_gate_and_up_stay_apart_on_compact_paths():
+    c, ctx, L = compile_counts(DECODE_T + 40, fuse_gate_up=True, kernel_path="compact")
+    assert ctx.report.counts.get("rewrite_mlp.gate_up_fused", 0) == 0 and c["wide_mlp_nd"] == L
+
+
+def test_gate_up_ops_compute_the_dense_masked_mlp():
+    """The graph-side ops against the reference MLP on random weights and masks (fp32: 1e-5), and the routed form
+    against the unfused gate / up one (bf16, the same split router: 1e-2)."""
+    from wide_compile.kernels.reference import mlp_ref
+    from wide_compile.passes._ops import (wide_mlp_gate_up_nd, wide_routed_mlp_gate_up_nd, wide_routed_mlp_nd)
+    from wide_compile.routing.routers import split_bf16
+
+    g = torch.Generator().manual_seed(0)
+    T, D, F, GS = 23, 48, 96, 16
+    x, wg, wu = torch.randn(1, T, D, generator=g), torch.randn(F, D, generator=g), torch.randn(F, D, generator=g)
+    wdt = torch.randn(F, D, generator=g)
+    mask = torch.rand(1, T, F // GS, generator=g) < 0.5
+    got = wide_mlp_gate_up_nd(x, torch.cat([wg, wu]), wdt, mask, GS)
+    torch.testing.assert_close(got[0], mlp_ref(x[0], wg, wu, wdt, mask[0], GS), atol=1e-4, rtol=1e-5)
+    xb, wgb, wub, wdb = (t.to(torch.bfloat16) for t in (x, wg, wu, wdt))
+    w2, b = split_bf16(torch.randn(F // GS, D, generator=g), pad_to=4), torch.randn(F // GS, generator=g)
+    want = wide_routed_mlp_nd(xb, wgb, wub, wdb, xb, w2, b, GS)
+    got = wide_routed_mlp_gate_up_nd(xb, torch.cat([wgb, wub]), wdb, xb, w2, b, GS)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)

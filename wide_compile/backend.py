@@ -34,6 +34,8 @@ Options (keyword arguments, or torch.compile(..., options={...})):
     fuse_router_select  True: a split router whose one reader is a dense-masked op's select (the MLP's act(g) * u,
                    o_proj's input) is computed in that select's launch (passes/fuse_router_select.py); default False
                    (its own GEMM), opt-in: benchmarks/results/lean-h100/README.md has its timings
+    fuse_gate_up   True: where the MLP's path is dense-masked at a static token count, gate and up run as one GEMM
+                   over a concatenated copy of their weights (made when the graph compiles); default False
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears
@@ -60,7 +62,7 @@ log = logging.getLogger("wide_compile.backend")
 
 _OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
         "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv", "compose_routers",
-        "split_routers", "fuse_router_select")
+        "split_routers", "fuse_router_select", "fuse_gate_up")
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -104,7 +106,8 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
                              fuse_qkv=bool(own.get("fuse_qkv", True)),
                              compose_routers=bool(own.get("compose_routers", True)),
                              split_routers=bool(own.get("split_routers", True)),
-                             fuse_router_select=bool(own.get("fuse_router_select", False)))
+                             fuse_router_select=bool(own.get("fuse_router_select", False)),
+                             fuse_gate_up=bool(own.get("fuse_gate_up", False)))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=_mask_stats(own))

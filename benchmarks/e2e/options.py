@@ -90,6 +90,7 @@ class BenchOptions:
     compose_routers: bool = True
     split_routers: bool = True
     fuse_router_select: bool = False
+    fuse_gate_up: bool = False
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -312,6 +313,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--fuse-router-select", action="store_true",
                    help="a split router read by one dense-masked select runs in that select's launch "
                         "(optimize(..., fuse_router_select=True))")
+    p.add_argument("--fuse-gate-up", action="store_true",
+                   help="gate and up as one GEMM on the dense-masked path (optimize(..., fuse_gate_up=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

@@ -28,7 +28,7 @@ def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, 
             "kernel_path": options.kernel_path, "fuse_norm_router": options.fuse_norm_router,
             "sum_routers": options.sum_routers, "fuse_qkv": options.fuse_qkv,
             "compose_routers": options.compose_routers, "split_routers": options.split_routers,
-            "fuse_router_select": options.fuse_router_select,
+            "fuse_router_select": options.fuse_router_select, "fuse_gate_up": options.fuse_gate_up,
             "router_recipe": options.router_recipe(model) if masks != "trained" else "trained"}
 
 

@@ -23,6 +23,8 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
                 over a bf16 pair on tensor cores buys
   wide_router_select  wide with each split router computed in the dense-masked select that reads it
                 (fuse_router_select=True): what that fusion buys
+  wide_gate_up  wide with gate and up as one GEMM on the dense-masked path (fuse_gate_up=True)
+  wide_lean_prefill  both of the above
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -141,6 +143,7 @@ REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers
                   ("compose_routers.composed", "composed pair routers"),
                   ("split_routers.split", "split-bf16 routers"),
                   ("fuse_router_select.fused", "routers in their selects"),
+                  ("rewrite_mlp.gate_up_fused", "gate and up in one GEMM"),
                   ("rewrite_sdpa.decode", "sparse decode attention"),
                   ("rewrite_sdpa.prefill", "sparse prefill attention"))
 
@@ -170,7 +173,8 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
                    fuse_norm_router=options.fuse_norm_router, sum_routers=options.sum_routers,
                    fuse_qkv=options.fuse_qkv, compose_routers=options.compose_routers,
                    sparse_attention=options.sparse_attention,
-                   split_routers=options.split_routers, fuse_router_select=options.fuse_router_select)
+                   split_routers=options.split_routers, fuse_router_select=options.fuse_router_select,
+                   fuse_gate_up=options.fuse_gate_up)
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
     elif options.sparse_attention is True:  # another backend gets the option only when asked for
@@ -249,6 +253,9 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     _wide_ab("wide_pair_routers", "speedup, pair routers uncomposed", compose_routers=False),
     _wide_ab("wide_fp32_routers", "speedup, fp32 prefill routers", split_routers=False),
     _wide_ab("wide_router_select", "speedup, routers in their selects", fuse_router_select=True),
+    _wide_ab("wide_gate_up", "speedup, gate and up in one GEMM", fuse_gate_up=True),
+    _wide_ab("wide_lean_prefill", "speedup, routers in selects + gate/up in one GEMM", fuse_router_select=True,
+             fuse_gate_up=True),
     _wide_ab("wide_sparse_attn", "speedup, sparse attention", sparse_attention=True),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),

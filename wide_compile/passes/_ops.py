@@ -111,6 +111,19 @@ def wide_add_rmsnorm_router_nd(a, b, w_norm, eps: float, router_input: str, kind
     return kernels().wide_add_rmsnorm_router(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2)
 
 
+def wide_mlp_gate_up_nd(x, w_gate_up, w_down_t, mask, group_size: int, activation: str = "silu"):
+    """The dense-masked MLP over gate and up as one weight [2F, D] ([gate; up], rewrite_mlp's fuse_gate_up): one
+    GEMM where kernels/dense_masked.mlp_dense_masked runs two; the select (Inductor fuses it) reads both halves of
+    its output. x [..., D], mask [..., G] -> [..., D]."""
+    from ..kernels.dense_masked import gated_select_ref
+
+    lead = x.shape[:-1]
+    F = w_gate_up.shape[0] // 2
+    gu = x.reshape(-1, x.shape[-1]) @ w_gate_up.t()  # [T, 2F]
+    h = gated_select_ref(gu[:, :F], gu[:, F:], _flat_mask(mask, lead), group_size, activation)
+    return (h @ w_down_t).reshape(*lead, w_down_t.shape[1])
+
+
 def wide_routed_mlp_nd(x, w_gate, w_up, w_down_t, h, w2, b, group_size: int, activation: str = "silu"):
     """The dense-masked MLP (kernels/dense_masked.mlp_dense_masked) with its split-bf16 router computed in the
     select: x [..., D], h [..., Dh] (the router's input), w2 [2 Gp, Dh], b [G] -> [..., D]. The GEMMs stay
@@ -120,6 +133,17 @@ def wide_routed_mlp_nd(x, w_gate, w_up, w_down_t, h, w2, b, group_size: int, act
     g = x2 @ w_gate.t()  # [T, F]
     u = x2 @ w_up.t()  # [T, F]
     mid = kernels().wide_routed_gated_select(g, u, h.reshape(-1, h.shape[-1]), w2, b, group_size, activation)
+    return (mid @ w_down_t).reshape(*lead, w_down_t.shape[1])
+
+
+def wide_routed_mlp_gate_up_nd(x, w_gate_up, w_down_t, h, w2, b, group_size: int, activation: str = "silu"):
+    """wide_mlp_gate_up_nd with its split-bf16 router computed in the select (wide.routed_gated_select reads g and
+    u as the two halves of the one GEMM's output)."""
+    lead = x.shape[:-1]
+    F = w_gate_up.shape[0] // 2
+    gu = x.reshape(-1, x.shape[-1]) @ w_gate_up.t()  # [T, 2F]
+    mid = kernels().wide_routed_gated_select(gu[:, :F], gu[:, F:], h.reshape(-1, h.shape[-1]), w2, b, group_size,
+                                             activation)
     return (mid @ w_down_t).reshape(*lead, w_down_t.shape[1])
 
 

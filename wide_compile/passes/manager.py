@@ -42,7 +42,8 @@ def check_fuse_norm_router(value) -> None:
 
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                   split_routers: bool = True, fuse_router_select: bool = False) -> list[Pass]:
+                   split_routers: bool = True, fuse_router_select: bool = False,
+                   fuse_gate_up: bool = False) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
@@ -60,10 +61,12 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     router (composed ones too) runs on tensor cores over its weight as a bf16 pair. `fuse_router_select` adds
     fuse_router_select last: a split router whose one reader is a dense-masked op's select runs inside that select
     (wide.routed_select / wide.routed_gated_select), no launch of its own; opt-in: at SmolLM2's prefill it was
-    slower than the router GEMM and Inductor's select it replaces (benchmarks/results/lean-h100/README.md)."""
+    slower than the router GEMM and Inductor's select it replaces (benchmarks/results/lean-h100/README.md).
+    `fuse_gate_up` (opt-in, untimed) lets rewrite_mlp run gate and up as one GEMM over a concatenated copy of their
+    weights where the MLP's path is dense-masked at a static token count."""
     check_sparse_attention(sparse_attention)
     check_fuse_norm_router(fuse_norm_router)
-    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(),
+    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(fuse_gate_up),
               RewriteAttention(fuse_qkv=fuse_qkv)]
     passes += [RewriteSDPA(prefill_kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
     passes += [ComposeRouters()] if compose_routers else []
@@ -77,10 +80,11 @@ class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                  sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                 split_routers: bool = True, fuse_router_select: bool = False):
+                 split_routers: bool = True, fuse_router_select: bool = False, fuse_gate_up: bool = False):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
-                                                                             split_routers, fuse_router_select)
+                                                                             split_routers, fuse_router_select,
+                                                                             fuse_gate_up)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 from ._graph import erase_unused, last_dim, linear_parts, static_rows
-from ._ops import wide_mlp_bucket_nd, wide_mlp_nd
+from ._ops import wide_mlp_bucket_nd, wide_mlp_gate_up_nd, wide_mlp_nd
 from .base import GROUPING_FIX, WEIGHTS_FIX, MLPMatch, Pass, PassContext, keep_routing, log, reduction_weight
 from .match_buckets import bucket_refusal
 
@@ -30,6 +32,9 @@ def weight_rows(ctx: PassContext, src: tuple):
 
 class RewriteMLP(Pass):
     name = "rewrite_mlp"
+
+    def __init__(self, fuse_gate_up: bool = False):
+        self.fuse_gate_up = fuse_gate_up
 
     def __call__(self, ctx: PassContext) -> None:
         W = ctx.weights
@@ -52,7 +57,8 @@ class RewriteMLP(Pass):
                 keep_routing(ctx, m.down, m.prod, m)
                 continue
             with ctx.gm.graph.inserting_before(m.down):
-                new = _bucket_mlp(ctx, m, wd) if _takes_bucket(ctx, m) else _free_mask_mlp(ctx, m, wd)
+                new = _bucket_mlp(ctx, m, wd) if _takes_bucket(ctx, m) else _free_mask_mlp(ctx, m, wd,
+                                                                                           self.fuse_gate_up)
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
             m.down.replace_all_uses_with(new)
@@ -76,12 +82,26 @@ def _takes_bucket(ctx: PassContext, m: MLPMatch) -> bool:
     return not m.bucket_reason
 
 
-def _free_mask_mlp(ctx: PassContext, m: MLPMatch, wd):
+def _free_mask_mlp(ctx: PassContext, m: MLPMatch, wd, fuse_gate_up: bool = False):
     W = ctx.weights
     wg, _ = weight_rows(ctx, m.gate_src)
     wu, _ = weight_rows(ctx, m.up_src)
     tuning, m.paths["mlp"] = ctx.op_tuning("mlp", m.x, W.tensor(wd).shape[0], m.groups * m.group_size, m.group_size)
     wdt = reduction_weight(ctx, wd, m.paths["mlp"], f"L{m.layer}_w_down_t", m.down)
+    d = m.paths["mlp"]
+    tg = tu = None
+    if fuse_gate_up:
+        # one GEMM over [gate; up] where the dense-masked path computes every row anyway: a copy of both weights
+        # made now (a constant of the graph, as K / V's with q), one launch per block fewer
+        tg, tu = W.tensor(wg), W.tensor(wu)
+    if fuse_gate_up and d.T is not None and d.path == "dense_masked" and tg is not None and tu is not None:
+        wgu = W.constant(("gate_up", id(tg), id(tu)), f"L{m.layer}_w_gate_up",
+                         lambda: torch.cat([tg.detach(), tu.detach()]), m.down)
+        new = W.call(wide_mlp_gate_up_nd, (m.x, wgu, wdt, m.mask, m.group_size, m.activation))
+        new.meta["wide_path"] = d
+        m.ops["mlp"] = "mlp (gate and up in one GEMM)"
+        ctx.count("rewrite_mlp.gate_up_fused")
+        return new
     new = W.call(wide_mlp_nd, (m.x, wg, wu, wdt, m.mask, m.group_size, tuning, m.activation))
     new.meta["wide_path"] = m.paths["mlp"]
     m.ops["mlp"] = "mlp"
