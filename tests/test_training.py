@@ -395,3 +395,17 @@ def test_stage2_command_takes_a_target_text(tmp_path):
     assert b.shape == (3, 4) and b[0].tolist() == [ord(c) for c in "a b "]
     with pytest.raises(SystemExit, match="fewer than one block"):
         text_blocks(tok, f, 100, 64)
+
+
+def test_adapter_parameters_are_the_lora_parameters_keyed_as_peft_keys_them():
+    """stage2.adapter_parameters: the same keys as get_peft_model_state_dict and the parameters themselves (a copy
+    into them changes the model: the distributed resume loads the adapter this way)."""
+    from peft import get_peft_model_state_dict
+
+    from wide_compile.training.stage2 import adapter_parameters, apply_lora
+
+    pm = apply_lora(tiny_model("smollm2", seed=1), 4, 8)
+    params = adapter_parameters(pm)
+    assert set(params) == set(get_peft_model_state_dict(pm)) and params
+    owned = {id(p) for n, p in pm.named_parameters()}
+    assert all(id(p) in owned for p in params.values())

@@ -189,12 +189,19 @@ def _trainables(pm, routers: Routers, joint: bool) -> dict:
     return d
 
 
+def adapter_parameters(pm, adapter: str = "default") -> dict:
+    """{key: parameter} of the LoRA adapter, keyed as get_peft_model_state_dict keys its tensors (the adapter's name
+    left out). The parameters themselves (DTensors under FSDP2): peft from 0.22 returns gathered copies of
+    sharded entries from get_peft_model_state_dict, so copying into what it returns would change nothing."""
+    return {n.replace(f".{adapter}.", "."): p for n, p in pm.named_parameters() if "lora_" in n}
+
+
 def _load_trainables(pm, routers: Routers, d: dict) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import set_peft_model_state_dict
 
     lora = {k[5:]: v.float() for k, v in d.items() if k.startswith("lora.")}
     if distributed.current().active:  # into this rank's shards of the (DTensor) adapter parameters
-        distributed.copy_into_(get_peft_model_state_dict(pm), lora)
+        distributed.copy_into_(adapter_parameters(pm), lora)
     else:
         set_peft_model_state_dict(pm, lora)
     rs = {k[8:]: v for k, v in d.items() if k.startswith("routers.")}
