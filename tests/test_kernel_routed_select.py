@@ -149,3 +149,14 @@ def test_reference_is_the_split_router_then_the_select():
                                         (4096, 112, 128, True)])
 def test_model_sized_rows(D, G, GS, glu):
     check(2048, D, G, GS, glu=glu, seed=10)
+
+
+def test_gate_and_up_as_halves_of_one_gemm_output():
+    """g and u as the two column halves of one [T, 2N] tensor (fuse_gate_up's GEMM output: row stride 2N) select
+    as the same values held apart."""
+    h, w2, b, a, u = make(27, 64, 6, 16, torch.bfloat16, True, seed=11)
+    gu = torch.cat([a, u], dim=1)
+    dev = [t.to(DEV) for t in (gu, h, w2, b)]
+    got = RS.routed_select_triton(dev[0][:, :96], dev[1], dev[2], dev[3], 16, dev[0][:, 96:]).cpu()
+    want = RS.routed_select_triton(a.to(DEV), dev[1], dev[2], dev[3], 16, u.to(DEV)).cpu()
+    assert torch.equal(got, want)
