@@ -14,7 +14,7 @@ from wide_compile.passes import PassManager, op_counts
 from test_passes_models import attach_random_routers, capture, run_logits
 
 KEYS = ("wide_routed_o_proj_nd", "wide_routed_mlp_nd", "wide_o_proj_nd", "wide_mlp_nd", "split_router_mask",
-        "wide_attn_prefill_nd", "wide_mlp_gate_up_nd", "wide_routed_mlp_gate_up_nd")
+        "wide_attn_prefill_nd", "wide_mlp_gate_up_nd")
 
 
 def compile_counts(T, recipe="wide", dtype=torch.bfloat16, arch="smollm2", **pm):
@@ -101,7 +101,7 @@ def test_gate_and_up_in_one_gemm_on_the_dense_path(select):
     fuse_router_select, its router in the select that reads both halves; logits as the unfused graph's."""
     c, ctx, L = compile_counts(DECODE_T + 40, fuse_gate_up=True, fuse_router_select=select)
     assert ctx.report.counts["rewrite_mlp.gate_up_fused"] == L and c["wide_mlp_nd"] == 0
-    assert c["wide_routed_mlp_gate_up_nd" if select else "wide_mlp_gate_up_nd"] == L
+    assert c["wide_routed_mlp_nd" if select else "wide_mlp_gate_up_nd"] == L
     assert "gate and up in one GEMM" in str(ctx.report)
 
 
@@ -114,7 +114,7 @@ def test_gate_up_ops_compute_the_dense_masked_mlp():
     """The graph-side ops against the reference MLP on random weights and masks (fp32: 1e-5), and the routed form
     against the unfused gate / up one (bf16, the same split router: 1e-2)."""
     from wide_compile.kernels.reference import mlp_ref
-    from wide_compile.passes._ops import (wide_mlp_gate_up_nd, wide_routed_mlp_gate_up_nd, wide_routed_mlp_nd)
+    from wide_compile.passes._ops import wide_mlp_gate_up_nd, wide_routed_mlp_nd
     from wide_compile.routing.routers import split_bf16
 
     g = torch.Generator().manual_seed(0)
@@ -127,5 +127,5 @@ def test_gate_up_ops_compute_the_dense_masked_mlp():
     xb, wgb, wub, wdb = (t.to(torch.bfloat16) for t in (x, wg, wu, wdt))
     w2, b = split_bf16(torch.randn(F // GS, D, generator=g), pad_to=4), torch.randn(F // GS, generator=g)
     want = wide_routed_mlp_nd(xb, wgb, wub, wdb, xb, w2, b, GS)
-    got = wide_routed_mlp_gate_up_nd(xb, torch.cat([wgb, wub]), wdb, xb, w2, b, GS)
+    got = wide_routed_mlp_nd(xb, torch.cat([wgb, wub]), None, wdb, xb, w2, b, GS)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)

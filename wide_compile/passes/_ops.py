@@ -111,6 +111,15 @@ def wide_add_rmsnorm_router_nd(a, b, w_norm, eps: float, router_input: str, kind
     return kernels().wide_add_rmsnorm_router(a, b, w_norm, eps, router_input, kind, w1, b1, w2, b2)
 
 
+def _gate_up(x2, w_gate, w_up=None):
+    """(g, u) [T, F] of x2 [T, D]: two GEMMs, or (w_up None: w_gate is [gate; up], [2F, D]) one GEMM's halves."""
+    if w_up is not None:
+        return x2 @ w_gate.t(), x2 @ w_up.t()
+    gu = x2 @ w_gate.t()  # [T, 2F]
+    F = w_gate.shape[0] // 2
+    return gu[:, :F], gu[:, F:]
+
+
 def wide_mlp_gate_up_nd(x, w_gate_up, w_down_t, mask, group_size: int, activation: str = "silu"):
     """The dense-masked MLP over gate and up as one weight [2F, D] ([gate; up], rewrite_mlp's fuse_gate_up): one
     GEMM where kernels/dense_masked.mlp_dense_masked runs two; the select (Inductor fuses it) reads both halves of
@@ -118,32 +127,19 @@ def wide_mlp_gate_up_nd(x, w_gate_up, w_down_t, mask, group_size: int, activatio
     from ..kernels.dense_masked import gated_select_ref
 
     lead = x.shape[:-1]
-    F = w_gate_up.shape[0] // 2
-    gu = x.reshape(-1, x.shape[-1]) @ w_gate_up.t()  # [T, 2F]
-    h = gated_select_ref(gu[:, :F], gu[:, F:], _flat_mask(mask, lead), group_size, activation)
+    g, u = _gate_up(x.reshape(-1, x.shape[-1]), w_gate_up)
+    h = gated_select_ref(g, u, _flat_mask(mask, lead), group_size, activation)
     return (h @ w_down_t).reshape(*lead, w_down_t.shape[1])
 
 
 def wide_routed_mlp_nd(x, w_gate, w_up, w_down_t, h, w2, b, group_size: int, activation: str = "silu"):
     """The dense-masked MLP (kernels/dense_masked.mlp_dense_masked) with its split-bf16 router computed in the
-    select: x [..., D], h [..., Dh] (the router's input), w2 [2 Gp, Dh], b [G] -> [..., D]. The GEMMs stay
-    aten mm for Inductor; the middle is one wide.routed_gated_select launch (fuse_router_select.py)."""
+    select: x [..., D], h [..., Dh] (the router's input), w2 [2 Gp, Dh], b [G] -> [..., D]; w_up None: w_gate is
+    [gate; up] (fuse_gate_up) and one GEMM gives both halves. The GEMMs stay aten mm for Inductor; the middle is one
+    wide.routed_gated_select launch (fuse_router_select.py)."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    g = x2 @ w_gate.t()  # [T, F]
-    u = x2 @ w_up.t()  # [T, F]
+    g, u = _gate_up(x.reshape(-1, x.shape[-1]), w_gate, w_up)
     mid = kernels().wide_routed_gated_select(g, u, h.reshape(-1, h.shape[-1]), w2, b, group_size, activation)
-    return (mid @ w_down_t).reshape(*lead, w_down_t.shape[1])
-
-
-def wide_routed_mlp_gate_up_nd(x, w_gate_up, w_down_t, h, w2, b, group_size: int, activation: str = "silu"):
-    """wide_mlp_gate_up_nd with its split-bf16 router computed in the select (wide.routed_gated_select reads g and
-    u as the two halves of the one GEMM's output)."""
-    lead = x.shape[:-1]
-    F = w_gate_up.shape[0] // 2
-    gu = x.reshape(-1, x.shape[-1]) @ w_gate_up.t()  # [T, 2F]
-    mid = kernels().wide_routed_gated_select(gu[:, :F], gu[:, F:], h.reshape(-1, h.shape[-1]), w2, b, group_size,
-                                             activation)
     return (mid @ w_down_t).reshape(*lead, w_down_t.shape[1])
 
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from ..routing import router_fns as fns
 from ._graph import erase_unused
-from ._ops import (wide_mlp_gate_up_nd, wide_mlp_nd, wide_o_proj_nd, wide_routed_mlp_gate_up_nd, wide_routed_mlp_nd,
-                   wide_routed_o_proj_nd)
+from ._ops import wide_mlp_gate_up_nd, wide_mlp_nd, wide_o_proj_nd, wide_routed_mlp_nd, wide_routed_o_proj_nd
 from .base import Pass, PassContext, log
 
 
@@ -49,17 +48,17 @@ class FuseRouterSelect(Pass):
                 fn, args, op = wide_routed_mlp_nd, (x, wg, wu, wdt, h, w2, b, gs, act), "mlp"
             elif user.target is wide_mlp_gate_up_nd and user.args[3] is mask and _dense_masked(user):
                 x, wgu, wdt, _, gs, act = user.args[:6]
-                fn, args, op = wide_routed_mlp_gate_up_nd, (x, wgu, wdt, h, w2, b, gs, act), "mlp"
+                fn, args, op = wide_routed_mlp_nd, (x, wgu, None, wdt, h, w2, b, gs, act), "mlp"
             else:
                 continue
             with ctx.gm.graph.inserting_before(user):
                 new = ctx.weights.call(fn, args)
             new.meta["wide_path"] = user.meta["wide_path"]
             user.replace_all_uses_with(new)
-            erase_unused(ctx.gm, [user, mask])
-            blk.mask = None if not mask.users else mask
+            erase_unused(ctx.gm, [user, mask])  # the mask's one reader is gone: so is the mask
+            blk.mask = None
             blk.ops[op] = "routed_select" if op == "o" else "routed_gated_select" + (
-                " (gate and up in one GEMM)" if fn is wide_routed_mlp_gate_up_nd else "")
+                " (gate and up in one GEMM)" if args[2] is None else "")
             blk.router_forms.append("in_select")
             ctx.count("fuse_router_select.fused")
             log.info("wide: layer %d: router computed in %s's select (wide.%s)", blk.layer, op, blk.ops[op])

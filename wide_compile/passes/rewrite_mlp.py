@@ -89,12 +89,10 @@ def _free_mask_mlp(ctx: PassContext, m: MLPMatch, wd, fuse_gate_up: bool = False
     tuning, m.paths["mlp"] = ctx.op_tuning("mlp", m.x, W.tensor(wd).shape[0], m.groups * m.group_size, m.group_size)
     wdt = reduction_weight(ctx, wd, m.paths["mlp"], f"L{m.layer}_w_down_t", m.down)
     d = m.paths["mlp"]
-    tg = tu = None
-    if fuse_gate_up:
+    tg, tu = (W.tensor(wg), W.tensor(wu)) if fuse_gate_up else (None, None)
+    if d.T is not None and d.path == "dense_masked" and tg is not None and tu is not None:
         # one GEMM over [gate; up] where the dense-masked path computes every row anyway: a copy of both weights
         # made now (a constant of the graph, as K / V's with q), one launch per block fewer
-        tg, tu = W.tensor(wg), W.tensor(wu)
-    if fuse_gate_up and d.T is not None and d.path == "dense_masked" and tg is not None and tu is not None:
         wgu = W.constant(("gate_up", id(tg), id(tu)), f"L{m.layer}_w_gate_up",
                          lambda: torch.cat([tg.detach(), tu.detach()]), m.down)
         new = W.call(wide_mlp_gate_up_nd, (m.x, wgu, wdt, m.mask, m.group_size, m.activation))
