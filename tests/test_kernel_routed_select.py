@@ -11,21 +11,15 @@ Tolerances:
   own error; 1e-6 absolute where the product is near 0);
   inactive groups exactly 0, also where they hold NaN / inf.
 """
-import os
+import pytest
+import torch
+from kernel_checks import DEV, needs_device, poison_buffers  # noqa: F401 (the fixture)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 compiles it
+from wide_compile.kernels import routed_select as RS
+from wide_compile.kernels.reference import activation
+from wide_compile.routing.routers import split_bf16
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from wide_compile.kernels import routed_select as RS  # noqa: E402
-from wide_compile.kernels.reference import activation  # noqa: E402
-from wide_compile.routing.routers import split_bf16  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
-    pytestmark = pytest.mark.skip("compiled Triton kernels need a CUDA GPU: on a CPU run with TRITON_INTERPRET=1")
+pytestmark = [needs_device, pytest.mark.usefixtures("poison_buffers")]  # an unwritten output element is NaN
 gpu_only = pytest.mark.skipif(DEV != "cuda", reason="model-sized rows: compiled on a CUDA GPU only")
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
 

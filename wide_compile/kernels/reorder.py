@@ -103,8 +103,9 @@ def alloc(shape, dtype, device):
     if POISON:
         if dtype.is_floating_point:
             t.fill_(float("nan"))
-        else:
-            t.fill_(-12345)
+        else:  # -12345, or the largest value of an integer type too narrow for it (a uint8 mask: 255)
+            info = torch.iinfo(dtype)
+            t.fill_(-12345 if info.min <= -12345 else info.max)
     return t
 
 
