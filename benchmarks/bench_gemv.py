@@ -73,6 +73,31 @@ def timed(fn, dry: bool, reps: int = 20, replays: int = 30) -> float:
     return ts[len(ts) // 2]
 
 
+def write_us_table(out: str, stem: str, script: str, title: str, rows: list, dry: bool, extra=()) -> None:
+    """out/<stem>.json (command, GPU, date, torch, rows) and out/<stem>.md: "# title (GPU)", the command line and a
+    table of shape, T, variant (its default marked), us and the `extra` columns [(header, row key)] ("-" for None):
+    the record of a bench that times variants per call in CUDA graphs (`timed`)."""
+    import torch
+
+    os.makedirs(out, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry else "cpu (dry run)"
+    info = dict(command=f"python benchmarks/{script} " + " ".join(sys.argv[1:]), gpu=gpu,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                torch=torch.__version__)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(dict(info, rows=rows), f, indent=1)
+    heads = ["shape", "T", "variant", "us", *(h for h, _ in extra)]
+    lines = [f"# {title} ({gpu})", "",
+             f"`{info['command']}`, {info['date']}, torch {info['torch']}. Median us per call, 20 calls per CUDA "
+             "graph.", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for r in rows:
+        cells = [r["shape"], r["T"], r["variant"] + (" (default)" if r["default"] else ""), r["us"],
+                 *("-" if r[k] is None else r[k] for _, k in extra)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)

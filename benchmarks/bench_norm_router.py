@@ -28,8 +28,6 @@ measurement.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -74,7 +72,7 @@ def main(argv=None):
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from bench_gemv import timed
+    from bench_gemv import timed, write_us_table
     from wide_compile.kernels import norm_router as NR
     from wide_compile.routing import router_fns as fns
     from wide_compile.routing.routers import split_bf16
@@ -134,26 +132,10 @@ def main(argv=None):
                 rows.append(dict(shape=name, D=D, G=G, T=T, variant=label, default=is_default, us=round(ms * 1e3, 2)))
                 print(f"{name:40s} T={T:4d} {label:18s}{' (default)' if is_default else '':10s} {ms * 1e3:8.2f} us",
                       flush=True)
-    write(args, rows, torch)
+    write_us_table(args.out, "norm-router", "bench_norm_router.py",
+                   "Fused add + RMSNorm + router at decode and prefill sizes", rows, args.dry_run)
     return rows
 
-
-def write(args, rows, torch):
-    os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
-    info = dict(command="python benchmarks/bench_norm_router.py " + " ".join(sys.argv[1:]), gpu=gpu,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                torch=torch.__version__)
-    with open(os.path.join(args.out, "norm-router.json"), "w") as f:
-        json.dump(dict(info, rows=rows), f, indent=1)
-    lines = [f"# Fused add + RMSNorm + router at decode and prefill sizes ({gpu})", "",
-             f"`{info['command']}`, {info['date']}, torch {info['torch']}. Median us per call, 20 calls per CUDA "
-             "graph.", "",
-             "| shape | T | variant | us |", "|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['T']} | {r['variant']}{' (default)' if r['default'] else ''} | {r['us']} |"
-              for r in rows]
-    with open(os.path.join(args.out, "norm-router.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -50,7 +48,7 @@ def main(argv=None):
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from bench_gemv import timed
+    from bench_gemv import timed, write_us_table
     from wide_compile.kernels import routed_select as RS
     from wide_compile.kernels.dense_masked import _select, gated_select_ref
     from wide_compile.routing import router_fns as fns
@@ -97,25 +95,11 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{name:34s} T={T:5d} {label:26s} {row['us']:9.2f} us" + (f" {row['gbps']:8.1f} GB/s" if nb else ""),
                       flush=True)
-    write(args, rows, torch)
+    write_us_table(args.out, "routed-select", "bench_routed_select.py",
+                   "The router inside the select against the router GEMM + select", rows, args.dry_run,
+                   extra=[("GB/s", "gbps")])
     return rows
 
-
-def write(args, rows, torch):
-    os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
-    info = dict(command="python benchmarks/bench_routed_select.py " + " ".join(sys.argv[1:]), gpu=gpu,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                torch=torch.__version__)
-    with open(os.path.join(args.out, "routed-select.json"), "w") as f:
-        json.dump(dict(info, rows=rows), f, indent=1)
-    lines = [f"# The router inside the select against the router GEMM + select ({gpu})", "",
-             f"`{info['command']}`, {info['date']}, torch {info['torch']}. Median us per call, 20 calls per CUDA "
-             "graph.", "", "| shape | T | variant | us | GB/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['T']} | {r['variant']}{' (default)' if r['default'] else ''} | {r['us']} | "
-              f"{r['gbps'] if r['gbps'] is not None else '-'} |" for r in rows]
-    with open(os.path.join(args.out, "routed-select.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
