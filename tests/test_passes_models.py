@@ -37,11 +37,11 @@ def capture(fn, *args, **kwargs):
     return graphs
 
 
-def attach_random_routers(model, recipe="linear", hidden=0, seed=3):
+def attach_random_routers(model, recipe="linear", hidden=0, seed=3, **cfg_options):
     """Routers of `recipe` attached to `model` with every parameter random (biases too: they start at 0, so a rewrite
-    that drops or miscomputes one could not fail otherwise)."""
+    that drops or miscomputes one could not fail otherwise); cfg_options go to WideConfig (e.g. router_input)."""
     cfg = wc.WideConfig(ffn_group_size=32, head_group_size=1, router_init="random", router_recipe=recipe,
-                        router_hidden=hidden)
+                        router_hidden=hidden, **cfg_options)
     routers = wc.Routers.init(model, cfg, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

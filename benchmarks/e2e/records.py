@@ -29,6 +29,7 @@ def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, 
             "sum_routers": options.sum_routers, "fuse_qkv": options.fuse_qkv,
             "compose_routers": options.compose_routers, "split_routers": options.split_routers,
             "fuse_router_select": options.fuse_router_select, "fuse_gate_up": options.fuse_gate_up,
+            "fuse_router_gemm": options.fuse_router_gemm,
             "router_recipe": options.router_recipe(model) if masks != "trained" else "trained"}
 
 

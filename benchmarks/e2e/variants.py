@@ -25,6 +25,8 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
                 (fuse_router_select=True): what that fusion buys
   wide_gate_up  wide with gate and up as one GEMM on the dense-masked path (fuse_gate_up=True)
   wide_lean_prefill  both of the above
+  wide_router_gemm  wide with each prefill-size router as extra output columns of the projection GEMM after its
+                norm (fuse_router_gemm=True; the MLP's gate, up and router in one GEMM)
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -144,6 +146,7 @@ REWRITE_COUNTS = (("fuse_norm_router.fused", "fused norm/router"), ("sum_routers
                   ("split_routers.split", "split-bf16 routers"),
                   ("fuse_router_select.fused", "routers in their selects"),
                   ("rewrite_mlp.gate_up_fused", "gate and up in one GEMM"),
+                  ("fuse_router_gemm.fused", "routers in the projection GEMMs"),
                   ("rewrite_sdpa.decode", "sparse decode attention"),
                   ("rewrite_sdpa.prefill", "sparse prefill attention"))
 
@@ -174,7 +177,7 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
                    fuse_qkv=options.fuse_qkv, compose_routers=options.compose_routers,
                    sparse_attention=options.sparse_attention,
                    split_routers=options.split_routers, fuse_router_select=options.fuse_router_select,
-                   fuse_gate_up=options.fuse_gate_up)
+                   fuse_gate_up=options.fuse_gate_up, fuse_router_gemm=options.fuse_router_gemm)
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
     elif options.sparse_attention is True:  # another backend gets the option only when asked for
@@ -256,6 +259,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     _wide_ab("wide_gate_up", "speedup, gate and up in one GEMM", fuse_gate_up=True),
     _wide_ab("wide_lean_prefill", "speedup, routers in selects + gate/up in one GEMM", fuse_router_select=True,
              fuse_gate_up=True),
+    _wide_ab("wide_router_gemm", "speedup, routers in the projection GEMMs", fuse_router_gemm=True),
     _wide_ab("wide_sparse_attn", "speedup, sparse attention", sparse_attention=True),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),

@@ -124,11 +124,17 @@ def wide_mlp_gate_up_nd(x, w_gate_up, w_down_t, mask, group_size: int, activatio
     """The dense-masked MLP over gate and up as one weight [2F, D] ([gate; up], rewrite_mlp's fuse_gate_up): one
     GEMM where kernels/dense_masked.mlp_dense_masked runs two; the select (Inductor fuses it) reads both halves of
     its output. x [..., D], mask [..., G] -> [..., D]."""
+    return wide_mlp_down_nd(x @ w_gate_up.t(), w_down_t, mask, group_size, activation)
+
+
+def wide_mlp_down_nd(gu, w_down_t, mask, group_size: int, activation: str = "silu"):
+    """The rest of the dense-masked MLP once gate and up are computed: gu [..., 2F] = [g | u] (columns of one GEMM's
+    output, possibly a view into a wider one), mask [..., G] -> act(g) * u selected by the mask, @ w_down_t [F, D]."""
     from ..kernels.dense_masked import gated_select_ref
 
-    lead = x.shape[:-1]
-    g, u = _gate_up(x.reshape(-1, x.shape[-1]), w_gate_up)
-    h = gated_select_ref(g, u, _flat_mask(mask, lead), group_size, activation)
+    lead, F = gu.shape[:-1], w_down_t.shape[0]
+    g2 = gu.reshape(-1, gu.shape[-1])
+    h = gated_select_ref(g2[:, :F], g2[:, F:2 * F], _flat_mask(mask, lead), group_size, activation)
     return (h @ w_down_t).reshape(*lead, w_down_t.shape[1])
 
 

@@ -47,6 +47,12 @@ def _float_arg(n, other):
 def match_rmsnorm(n):
     """(h, weight node, eps) when n is w * cast(h32 * rsqrt(mean(h32^2, -1, keepdim) + eps)) with the statistic
     in float32 and the normalized value rounded to h's dtype before the weight; else None."""
+    got = match_rmsnorm_scale(n)
+    return None if got is None else got[:3]
+
+
+def match_rmsnorm_scale(n):
+    """match_rmsnorm's (h, weight node, eps) and the rsqrt node r [..., 1] (float32): n = w * cast(h32 * r)."""
     if not is_mul(n) or len(n.args) != 2:
         return None
     for w, inner in (n.args, n.args[::-1]):
@@ -69,7 +75,7 @@ def match_rmsnorm(n):
             if sq.args[0] is not hf or vh is None or vf is None or vo is None:
                 continue
             if vf.dtype == torch.float32 and meta(inner).dtype == vh.dtype == vo.dtype:
-                return h, w, eps
+                return h, w, eps, r
     return None
 
 

@@ -20,6 +20,7 @@ from .compose_routers import ComposeRouters
 from .detect_attention import DetectAttention
 from .detect_mlp import DetectSwiGLU
 from .fuse_norm_router import FuseNormRouter
+from .fuse_router_gemm import FuseRouterGemm
 from .fuse_router_select import FuseRouterSelect
 from .insert_routers import InsertRouters
 from .match_buckets import MatchBuckets
@@ -43,7 +44,7 @@ def check_fuse_norm_router(value) -> None:
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
                    split_routers: bool = True, fuse_router_select: bool = False,
-                   fuse_gate_up: bool = False) -> list[Pass]:
+                   fuse_gate_up: bool = False, fuse_router_gemm: bool = False) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
@@ -63,13 +64,17 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     (wide.routed_select / wide.routed_gated_select), no launch of its own; opt-in: at SmolLM2's prefill it was
     slower than the router GEMM and Inductor's select it replaces (benchmarks/results/lean-h100/README.md).
     `fuse_gate_up` (opt-in, untimed) lets rewrite_mlp run gate and up as one GEMM over a concatenated copy of their
-    weights where the MLP's path is dense-masked at a static token count."""
+    weights where the MLP's path is dense-masked at a static token count. `fuse_router_gemm` (opt-in) adds
+    fuse_router_gemm after compose_routers: in prefill-size graphs a linear router on the residual stream runs as
+    extra output columns of the GEMM that reads the block's RMSNorm output, its decisions the same up to rounding
+    in the model's dtype; the routers it takes are fused, so the passes after it leave them alone."""
     check_sparse_attention(sparse_attention)
     check_fuse_norm_router(fuse_norm_router)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(fuse_gate_up),
               RewriteAttention(fuse_qkv=fuse_qkv)]
     passes += [RewriteSDPA(prefill_kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
     passes += [ComposeRouters()] if compose_routers else []
+    passes += [FuseRouterGemm()] if fuse_router_gemm else []
     passes += [FuseNormRouter(prefill_only=fuse_norm_router == "prefill")] if fuse_norm_router else []
     passes += [SplitRouters()] if split_routers else []
     passes += [SumRouters()] if sum_routers else []
@@ -80,11 +85,12 @@ class PassManager:
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                  sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                 split_routers: bool = True, fuse_router_select: bool = False, fuse_gate_up: bool = False):
+                 split_routers: bool = True, fuse_router_select: bool = False, fuse_gate_up: bool = False,
+                 fuse_router_gemm: bool = False):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
                                                                              split_routers, fuse_router_select,
-                                                                             fuse_gate_up)
+                                                                             fuse_gate_up, fuse_router_gemm)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
@@ -170,9 +176,10 @@ def _kernel_detail(b, plural: bool) -> str:
         parts.append("router: " + ", ".join({"composed": "pair composed into one linear map",
                                              "summed": "summed over the width",
                                              "split": "on tensor cores over a bf16 pair",
-                                             "in_select": "computed in its dense-masked op's select"}[f]
+                                             "in_select": "computed in its dense-masked op's select",
+                                             "in_gemm": "columns of the projection GEMM after its norm"}[f]
                                             for f in b.router_forms))
-    if b.router_fused:
+    if b.router_fused and "in_gemm" not in b.router_forms:
         parts.append("norm + router: wide.rmsnorm_router")
     return "".join("; " + p for p in parts)
 

@@ -54,6 +54,20 @@ def split_router_mask(h, w2, b):
     return split_logits(h, w2, b) > 0
 
 
+def normed_margin(z, c, r):
+    """A linear router's margin on the residual h, W h + c, scaled by r > 0, from what the block's RMSNorm and the
+    projection after it already computed: n = g * (h r) is the norm's output (r = rsqrt(mean(h^2) + eps) [..., 1],
+    float32), and z = n @ (W / g)^T [..., G] = r (W h) are extra output columns of the GEMM that reads n
+    (passes/fuse_router_gemm.py). So z + c r = r (W h + c) is positive exactly when W h + c is: the same decision,
+    up to the rounding of n and of the GEMM's output in the model's dtype."""
+    m = z.float()
+    return m if c is None else m + c * r
+
+
+def normed_router_mask(z, c, r):
+    return normed_margin(z, c, r) > 0
+
+
 def mlp_logits(h, w1, b1, w2, b2):
     # h: [..., D] -> silu([..., hidden]) -> [..., G]
     return F.linear(F.silu(F.linear(h.to(w1.dtype), w1, b1)), w2, b2)
