@@ -122,7 +122,7 @@ def check_tiny(arch, kind, device, dtype, mode=None, tol=3e-2):
     c0 = dict(counters())  # what this case's compiles add: counters() - c0, per key
     t0 = time.time()
     opts = {"sparse_attention": True} if sparse else {"fuse_norm_router": True, "kernel_path": "auto"} if lean else \
-        {"sum_routers": True, "kernel_path": "auto"} if summed else {"router_dtype": "bf16x2"} if split else \
+        {"sum_routers": True, "kernel_path": "auto"} if summed else {"router_dtype": "bf16x2", "fuse_router_gemm": False} if split else \
         {"fuse_norm_router": "prefill"} if fused_prefill else {} if mode is None else {"mode": mode}
     cm = wc.optimize(model, routers, **opts)
     res = {"arch": arch, "routers": kind, "mode": mode or "default"}

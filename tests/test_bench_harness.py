@@ -429,12 +429,12 @@ def test_options_match_the_parser():
                                                                "wide_gemm_routers", "wide_router_select", "wide_gate_up",
                                                                "wide_lean_prefill", "wide_qkv_split",
                                                                "wide_pair_routers", "wide_fp32_routers",
-                                                               "wide_router_gemm", "wide_sparse_attn")]
+                                                               "wide_router_own_gemm", "wide_sparse_attn")]
     assert full.capacities == [1.0, 0.75, 0.5, 0.3]
     assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_table",
                               "wide_fused", "wide_fused_prefill", "wide_fused_dense", "wide_gemm_routers", "wide_qkv_split", "wide_pair_routers",
                               "wide_fp32_routers", "wide_router_select", "wide_gate_up", "wide_lean_prefill",
-                              "wide_router_gemm", "wide_sparse_attn",
+                              "wide_router_own_gemm", "wide_sparse_attn",
                               "wide_eager",
                               "trt"]
     assert len({s.key for s in VARIANTS.values()}) == len(VARIANTS)

@@ -63,8 +63,9 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              pair routers as their two layers; sum_routers=False: decode-size routers as fp32 GEMMs;
              split_routers=False: prefill-size routers as fp32 GEMMs; fuse_router_select=True: a split router
              read by one dense-masked select runs in that select's launch (opt-in); fuse_gate_up=True: gate and up as
-             one GEMM on the dense-masked path (a copy of their weights); fuse_router_gemm=True: prefill-size routers
-             as extra columns of the projection GEMM after their norm (decisions up to rounding in the model's dtype); fuse_norm_router=True | "prefill": each
+             one GEMM on the dense-masked path (a copy of their weights); fuse_router_gemm=False: prefill-size routers
+             as their own GEMMs, not as extra columns of the projection GEMM after their norm (the default, whose
+             decisions are the router's up to rounding in the model's dtype); fuse_norm_router=True | "prefill": each
              block's RMSNorm and router in one launch, everywhere or in prefill-size graphs only).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
     concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed

@@ -36,10 +36,10 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    (its own GEMM), opt-in: benchmarks/results/lean-h100/README.md has its timings
     fuse_gate_up   True: where the MLP's path is dense-masked at a static token count, gate and up run as one GEMM
                    over a concatenated copy of their weights (made when the graph compiles); default False
-    fuse_router_gemm  True: in graphs of more than DECODE_T tokens, a linear router on the residual stream runs as extra
-                   output columns of the GEMM that reads its block's RMSNorm output, the mask then computed in the
-                   select that reads it (passes/fuse_router_gemm.py); decisions as the router's up to rounding in the
-                   model's dtype; default False
+    fuse_router_gemm  True (default): in graphs of more than DECODE_T tokens, a linear router on the residual stream runs
+                   as extra output columns of the GEMM that reads its block's RMSNorm output, the mask then computed in
+                   the select that reads it (passes/fuse_router_gemm.py); decisions as the router's up to rounding in
+                   the model's dtype; False keeps the router's own GEMM
     fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
                    GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
                    keeps them as their own linears
@@ -112,7 +112,7 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
                              split_routers=bool(own.get("split_routers", True)),
                              fuse_router_select=bool(own.get("fuse_router_select", False)),
                              fuse_gate_up=bool(own.get("fuse_gate_up", False)),
-                             fuse_router_gemm=bool(own.get("fuse_router_gemm", False)))
+                             fuse_router_gemm=bool(own.get("fuse_router_gemm", True)))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=_mask_stats(own))

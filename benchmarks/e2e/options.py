@@ -91,7 +91,7 @@ class BenchOptions:
     split_routers: bool = True
     fuse_router_select: bool = False
     fuse_gate_up: bool = False
-    fuse_router_gemm: bool = False
+    fuse_router_gemm: bool = True
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -316,9 +316,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "(optimize(..., fuse_router_select=True))")
     p.add_argument("--fuse-gate-up", action="store_true",
                    help="gate and up as one GEMM on the dense-masked path (optimize(..., fuse_gate_up=True))")
-    p.add_argument("--fuse-router-gemm", action="store_true",
-                   help="prefill-size routers as extra columns of the projection GEMM after their norm "
-                        "(optimize(..., fuse_router_gemm=True))")
+    p.add_argument("--no-fuse-router-gemm", dest="fuse_router_gemm", action="store_false",
+                   help="prefill-size routers as their own GEMMs, not as extra columns of the projection GEMM after "
+                        "their norm (optimize(..., fuse_router_gemm=False))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

@@ -25,8 +25,8 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
                 (fuse_router_select=True): what that fusion buys
   wide_gate_up  wide with gate and up as one GEMM on the dense-masked path (fuse_gate_up=True)
   wide_lean_prefill  both of the above
-  wide_router_gemm  wide with each prefill-size router as extra output columns of the projection GEMM after its
-                norm (fuse_router_gemm=True; the MLP's gate, up and router in one GEMM)
+  wide_router_own_gemm  wide with each prefill-size router as its own GEMM (fuse_router_gemm=False), not as extra
+                output columns of the projection GEMM after its norm: what that fusion buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
@@ -248,18 +248,23 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("static", "static", "capacity", build_static),
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
     _wide_ab("wide_table", "speedup, table paths", kernel_path="table"),
-    _wide_ab("wide_fused", "speedup, fused norm+router", fuse_norm_router=True),
-    _wide_ab("wide_fused_prefill", "speedup, fused norm+router at prefill", fuse_norm_router="prefill"),
-    _wide_ab("wide_fused_dense", "speedup, fused + dense-masked", fuse_norm_router=True, kernel_path="dense"),
+    # the fused norm + router and the router in the select take routers fuse_router_gemm would take first: off there
+    _wide_ab("wide_fused", "speedup, fused norm+router", fuse_norm_router=True, fuse_router_gemm=False),
+    _wide_ab("wide_fused_prefill", "speedup, fused norm+router at prefill", fuse_norm_router="prefill",
+             fuse_router_gemm=False),
+    _wide_ab("wide_fused_dense", "speedup, fused + dense-masked", fuse_norm_router=True, kernel_path="dense",
+             fuse_router_gemm=False),
     _wide_ab("wide_gemm_routers", "speedup, GEMM routers", sum_routers=False),
     _wide_ab("wide_qkv_split", "speedup, K/V unfused", fuse_qkv=False),
     _wide_ab("wide_pair_routers", "speedup, pair routers uncomposed", compose_routers=False),
-    _wide_ab("wide_fp32_routers", "speedup, fp32 prefill routers", split_routers=False),
-    _wide_ab("wide_router_select", "speedup, routers in their selects", fuse_router_select=True),
+    _wide_ab("wide_fp32_routers", "speedup, fp32 prefill routers", split_routers=False, fuse_router_gemm=False),
+    _wide_ab("wide_router_select", "speedup, routers in their selects", fuse_router_select=True,
+             fuse_router_gemm=False),
     _wide_ab("wide_gate_up", "speedup, gate and up in one GEMM", fuse_gate_up=True),
     _wide_ab("wide_lean_prefill", "speedup, routers in selects + gate/up in one GEMM", fuse_router_select=True,
+             fuse_router_gemm=False,
              fuse_gate_up=True),
-    _wide_ab("wide_router_gemm", "speedup, routers in the projection GEMMs", fuse_router_gemm=True),
+    _wide_ab("wide_router_own_gemm", "speedup, routers as their own GEMMs", fuse_router_gemm=False),
     _wide_ab("wide_sparse_attn", "speedup, sparse attention", sparse_attention=True),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),

@@ -1,4 +1,4 @@
-"""Pass 9b (opt-in: optimize(..., fuse_router_gemm=True)): a linear router on the residual stream runs as extra output
+"""Pass 9b (default; optimize(..., fuse_router_gemm=False) turns it off): a linear router on the residual stream runs as extra output
 columns of the GEMM that reads the block's normalized input, so routing adds no GEMM launch to the block.
 
 The method's routers read the residual h before the block's RMSNorm; the projection after the norm reads

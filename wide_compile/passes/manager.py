@@ -44,7 +44,7 @@ def check_fuse_norm_router(value) -> None:
 def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                    sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
                    split_routers: bool = True, fuse_router_select: bool = False,
-                   fuse_gate_up: bool = False, fuse_router_gemm: bool = False) -> list[Pass]:
+                   fuse_gate_up: bool = False, fuse_router_gemm: bool = True) -> list[Pass]:
     """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
     only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
     prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
@@ -64,10 +64,11 @@ def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool
     (wide.routed_select / wide.routed_gated_select), no launch of its own; opt-in: at SmolLM2's prefill it was
     slower than the router GEMM and Inductor's select it replaces (benchmarks/results/lean-h100/README.md).
     `fuse_gate_up` (opt-in, untimed) lets rewrite_mlp run gate and up as one GEMM over a concatenated copy of their
-    weights where the MLP's path is dense-masked at a static token count. `fuse_router_gemm` (opt-in) adds
+    weights where the MLP's path is dense-masked at a static token count. `fuse_router_gemm` (default) adds
     fuse_router_gemm after compose_routers: in prefill-size graphs a linear router on the residual stream runs as
     extra output columns of the GEMM that reads the block's RMSNorm output, its decisions the same up to rounding
-    in the model's dtype; the routers it takes are fused, so the passes after it leave them alone."""
+    in the model's dtype; the routers it takes are fused, so the passes after it leave them alone. What it
+    measured against the router's own GEMM: benchmarks/results/lean-h100/README.md (ninth run)."""
     check_sparse_attention(sparse_attention)
     check_fuse_norm_router(fuse_norm_router)
     passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(fuse_gate_up),
@@ -86,7 +87,7 @@ class PassManager:
                  sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
                  sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
                  split_routers: bool = True, fuse_router_select: bool = False, fuse_gate_up: bool = False,
-                 fuse_router_gemm: bool = False):
+                 fuse_router_gemm: bool = True):
         self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
                                                                              sum_routers, fuse_qkv, compose_routers,
                                                                              split_routers, fuse_router_select,
