@@ -1,9 +1,10 @@
-"""passes/fuse_router_gemm.py: a linear router on the residual stream as extra output columns of the GEMM that reads
-the block's RMSNorm output. Op counts (the router's own GEMM goes: no split_router_mask / linear_router_mask is left,
-normed_router_mask comes), which blocks are left alone (the option off, decode-size graphs, a norm weight with a
-zero, a router on the normalized input, compact paths), the margin identity against float64, the decisions against
-the unfused graph's (fp32: equal but for margins within 1e-4 of 0; bf16: at least 97 % equal), and the logits
-against the eager reference, without Inductor and through it on the CPU."""
+"""passes/fuse_router_gemm.py (default; fuse_router_gemm=False turns it off): a linear router on the residual stream as
+extra output columns of the GEMM that reads the block's RMSNorm output. Op counts (the router's own GEMM goes: no
+split_router_mask / linear_router_mask is left, normed_router_mask comes), which blocks are left alone (the option
+off, decode-size graphs, a norm weight with a zero, a router on the normalized input, compact paths), the margin
+identity against float64, the graph's logits against the unfused graph's (fp32: 2e-4, the same decisions), its bf16
+decisions against split_routers' (at least 97 % equal), and the logits against the eager reference through Inductor
+on the CPU."""
 import pytest
 import torch
 
@@ -93,7 +94,8 @@ def test_margin_identity_against_float64():
     want = h @ W.t() + c
     got = fns.normed_margin(z, c.float(), r.float())
     torch.testing.assert_close(got.double(), r * want, atol=1e-4, rtol=1e-4)
-    assert torch.equal(fns.normed_router_mask(z, c.float(), r.float()), (want > 0) | (got > 0) & (r * want).abs().lt(1e-4))
+    clear = (r * want).abs() > 1e-4  # decisions clear of the fp32 rounding of the margin
+    assert torch.equal(fns.normed_router_mask(z, c.float(), r.float())[clear], (want > 0)[clear])
     assert torch.equal(fns.normed_margin(z, None, r.float()), z)
 
 
@@ -140,9 +142,10 @@ def test_a_norm_weight_with_a_zero_keeps_the_router():
                for u in ctx.report.unmatched)
 
 
-def test_optimize_through_inductor_on_the_cpu():
-    """optimize(..., kernel_path="dense", fuse_router_gemm=True) on an fp32 model: the prefill graph's routers are
-    projection columns and the logits stay the eager reference's (fp32: 1e-3)."""
+@pytest.mark.parametrize("on", [True, False])
+def test_optimize_through_inductor_on_the_cpu(on):
+    """optimize(..., kernel_path="dense") on an fp32 model: by default the prefill graph's routers are projection
+    columns, with fuse_router_gemm=False none is; the logits stay the eager reference's either way (fp32: 1e-3)."""
     torch._dynamo.reset()
     model, ref = tiny_model("smollm2"), tiny_model("smollm2")
     ref.load_state_dict(model.state_dict())
@@ -152,9 +155,10 @@ def test_optimize_through_inductor_on_the_cpu():
     wc.attach(ref, routers)
     ids = torch.randint(0, 128, (1, DECODE_T + 4))
     L = model.config.num_hidden_layers
+    opts = {} if on else {"fuse_router_gemm": False}
     with torch.no_grad():
         want = ref(input_ids=ids).logits
-        got = wc.optimize(model, routers, kernel_path="dense", fuse_router_gemm=True)(input_ids=ids).logits
+        got = wc.optimize(model, routers, kernel_path="dense", **opts)(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    assert sum(r.counts.get("fuse_router_gemm.fused", 0) for r in model._wide_reports) == 2 * L
+    assert sum(r.counts.get("fuse_router_gemm.fused", 0) for r in model._wide_reports) == (2 * L if on else 0)
     torch._dynamo.reset()

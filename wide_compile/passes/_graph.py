@@ -199,6 +199,13 @@ def static_rows(n) -> int | None:
     return rows
 
 
+def dense_masked_at_static_rows(node) -> bool:
+    """A rewritten op whose path (meta["wide_path"], a cost_model.Decision) is the dense-masked one at a static token
+    count: every column computed, the inactive groups selected away."""
+    d = node.meta.get("wide_path")
+    return d is not None and d.T is not None and d.path == "dense_masked"
+
+
 def describe(n: fx.Node | None) -> str:
     if n is None:
         return "?"

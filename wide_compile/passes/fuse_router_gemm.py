@@ -1,22 +1,22 @@
-"""Pass 9b (default; optimize(..., fuse_router_gemm=False) turns it off): a linear router on the residual stream runs as extra output
-columns of the GEMM that reads the block's normalized input, so routing adds no GEMM launch to the block.
+"""Pass 9b (default; optimize(..., fuse_router_gemm=False) turns it off): a linear router on the residual stream runs as
+extra output columns of the GEMM that reads the block's normalized input, so routing adds no GEMM launch to the block.
 
 The method's routers read the residual h before the block's RMSNorm; the projection after the norm reads
-n = g * (h * r), r = rsqrt(mean(h^2) + eps) > 0 per token. For a linear router (the pair router once
-compose_routers made it one) W h + c > 0 exactly when (W / g) n + c r > 0, so the rows W / g appended to the
+n = g * (h * r), with r = rsqrt(mean(h^2) + eps) > 0 per token. For a linear router (the pair router once
+compose_routers made it one), W h + c > 0 exactly when (W / g) n + c r > 0. So the rows W / g appended to the
 projection's weight give r (W h) as columns of its output, and the mask is those columns plus c r, thresholded
-(router_fns.normed_router_mask); Inductor fuses that into the select that reads the mask. At a small model's
-prefill the router GEMMs are launches of a few microseconds each against projections of a few microseconds
+(router_fns.normed_router_mask); Inductor fuses that into the select that reads the mask. At a small model's prefill
+the router GEMMs are launches of a few microseconds each against projections of a few microseconds
 (benchmarks/results/lean-h100/, the SmolLM2 prefill profiles); appended, they cost a few more output columns.
 
-What it changes: the decisions, within rounding. The router then reads n in the model's dtype (rounded twice, as
-the norm rounds it) and its columns leave the GEMM in that dtype; split_routers' bf16 pair keeps the fp32
-router's decisions up to 2^-16. Where a margin lies within that rounding of 0 the decision may flip
+What it changes: the decisions, within rounding. The router then reads n in the model's dtype (rounded twice, as the
+norm rounds it) and its columns leave the GEMM in that dtype; split_routers' bf16 pair keeps the fp32 router's
+decisions up to 2^-16. Where a margin lies within that rounding of 0 the decision may flip
 (benchmarks/results/fuse-router-gemm/ has the share on SmolLM2's shipped routers).
 
-Which blocks: a rewritten block of a graph of a static count of more than DECODE_T tokens whose router is linear (composed) with
-static float32 weights, reads the residual h, and whose normalized input RMSNorm(h) (fuse_norm_router.match_rmsnorm)
-feeds
+Which blocks: a rewritten block, in a graph of a static count of more than DECODE_T tokens, whose router is linear
+(composed) with static float32 weights and reads the residual h, and whose normalized input RMSNorm(h)
+(fuse_norm_router.match_rmsnorm) feeds
   * attention: a plain linear over n (q unmasked on the dense-masked path: the fused [q; k; v] or q alone), every
     reader of the mask coming after it;
   * MLP: the dense-masked MLP (wide.mlp or gate / up in one GEMM) at a static token count, whose GEMM becomes one over
@@ -32,18 +32,13 @@ import torch
 
 from ..kernels.tuning import DECODE_T
 from ..routing import router_fns as fns
-from ._graph import erase_unused, is_linear, linear_parts, meta, node_index, static_rows
+from ._graph import dense_masked_at_static_rows, erase_unused, is_linear, linear_parts, meta, node_index, static_rows
 from ._ops import wide_mlp_down_nd, wide_mlp_gate_up_nd, wide_mlp_nd
 from .base import Pass, PassContext, log
 from .fuse_norm_router import match_rmsnorm_scale, match_router, unfused_routers
 from .insert_routers import _strip_casts
 
 PAD_COLUMNS = 8  # the router's rows padded so the GEMM's N stays a multiple of 8, as cuBLAS's tensor-core kernels want
-
-
-def _dense_masked(node) -> bool:
-    d = node.meta.get("wide_path")
-    return d is not None and d.T is not None and d.path == "dense_masked"
 
 
 class FuseRouterGemm(Pass):
@@ -122,9 +117,9 @@ class FuseRouterGemm(Pass):
                 return "no linear with a static weight reads the block's normalized input (q is masked)"
             return min(lins, key=node_index(ctx.gm).__getitem__)
         for u in blk.x.users:
-            if u.target is wide_mlp_gate_up_nd and u.args[3] is blk.mask and _dense_masked(u):
+            if u.target is wide_mlp_gate_up_nd and u.args[3] is blk.mask and dense_masked_at_static_rows(u):
                 return u
-            if u.target is wide_mlp_nd and u.args[4] is blk.mask and _dense_masked(u):
+            if u.target is wide_mlp_nd and u.args[4] is blk.mask and dense_masked_at_static_rows(u):
                 return u
         return "its MLP is not on the dense-masked path at a static token count"
 

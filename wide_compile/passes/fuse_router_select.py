@@ -18,14 +18,9 @@ ops) stays a node of its own: computing it twice would cost what the fusion save
 from __future__ import annotations
 
 from ..routing import router_fns as fns
-from ._graph import erase_unused
+from ._graph import dense_masked_at_static_rows, erase_unused
 from ._ops import wide_mlp_gate_up_nd, wide_mlp_nd, wide_o_proj_nd, wide_routed_mlp_nd, wide_routed_o_proj_nd
 from .base import Pass, PassContext, log
-
-
-def _dense_masked(node) -> bool:
-    d = node.meta.get("wide_path")
-    return d is not None and d.T is not None and d.path == "dense_masked"
 
 
 class FuseRouterSelect(Pass):
@@ -39,14 +34,14 @@ class FuseRouterSelect(Pass):
                 continue
             (user,) = mask.users
             h, w2, b = mask.args
-            if user.target is wide_o_proj_nd and user.args[3] is mask and _dense_masked(user):
+            if user.target is wide_o_proj_nd and user.args[3] is mask and dense_masked_at_static_rows(user):
                 a, wot, bo, _, gs = user.args[:5]
                 fn, args, op = wide_routed_o_proj_nd, (a, wot, bo, h, w2, b, gs), "o"
-            elif user.target is wide_mlp_nd and user.args[4] is mask and _dense_masked(user):
+            elif user.target is wide_mlp_nd and user.args[4] is mask and dense_masked_at_static_rows(user):
                 x, wg, wu, wdt, _, gs = user.args[:6]
                 act = user.args[7] if len(user.args) > 7 else user.kwargs.get("activation", "silu")
                 fn, args, op = wide_routed_mlp_nd, (x, wg, wu, wdt, h, w2, b, gs, act), "mlp"
-            elif user.target is wide_mlp_gate_up_nd and user.args[3] is mask and _dense_masked(user):
+            elif user.target is wide_mlp_gate_up_nd and user.args[3] is mask and dense_masked_at_static_rows(user):
                 x, wgu, wdt, _, gs, act = user.args[:6]
                 fn, args, op = wide_routed_mlp_nd, (x, wgu, None, wdt, h, w2, b, gs, act), "mlp"
             else:
