@@ -112,11 +112,14 @@ def shipped_fit(monkeypatch, tmp_path):
 
 
 def test_capacity_picks_the_routers_shipped_for_it(shipped_fit):
-    model, _ = shipped_fit
+    import wide_compile as wc
+
+    model, folder = shipped_fit
+    wc.Routers.init(model, wc.WideConfig(capacity=0.7)).save(folder / "tiny-c70.safetensors")
     routers, what = cli._routers_for(model, None, 0.5)
     assert routers.name == "tiny-c50" and "shipped routers 'tiny-c50'" in what
     routers, _ = cli._routers_for(model, None, None)  # no capacity asked: the default one
-    assert routers.name == "tiny-c50"
+    assert cli.DEFAULT_CAPACITY == 0.7 and routers.name == "tiny-c70"
 
 
 def test_capacity_with_no_routers_shipped_is_an_error_listing_what_is(shipped_fit):

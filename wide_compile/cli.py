@@ -12,7 +12,9 @@ from pathlib import Path
 from wide_compile.helpfmt import HelpFormatter
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
-DEFAULT_CAPACITY = 0.5  # the shipped routers' capacity the demo picks when none is asked for
+# the shipped routers' capacity the demo picks when none is asked for: the set whose answers stay closest to dense's
+# (benchmarks/results/quality-smollm2/: WikiText-2 ppl ratio and generation at 0.5 and 0.7)
+DEFAULT_CAPACITY = 0.7
 GPU_TIMING_REPEATS = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACEBACK_ENV = "WIDE_TRACEBACK"  # set to 1 to see the traceback behind an `error:` line
