@@ -138,6 +138,20 @@ def wide_mlp_down_nd(gu, w_down_t, mask, group_size: int, activation: str = "sil
     return (h @ w_down_t).reshape(*lead, w_down_t.shape[1])
 
 
+def dense_masked_mlp_args(node, mask):
+    """(x, w_gate, w_up, w_down_t, group_size, activation) of a graph call of wide_mlp_nd or wide_mlp_gate_up_nd (then
+    w_up is None and w_gate is [gate; up]) that reads `mask`; None for any other node. The passes that rebuild the
+    dense-masked MLP around its router read its arguments here."""
+    if node.target is wide_mlp_nd and node.args[4] is mask:
+        x, wg, wu, wdt, _, gs = node.args[:6]
+        act = node.args[7] if len(node.args) > 7 else node.kwargs.get("activation", "silu")
+        return x, wg, wu, wdt, gs, act
+    if node.target is wide_mlp_gate_up_nd and node.args[3] is mask:
+        x, wgu, wdt, _, gs, act = node.args[:6]
+        return x, wgu, None, wdt, gs, act
+    return None
+
+
 def wide_routed_mlp_nd(x, w_gate, w_up, w_down_t, h, w2, b, group_size: int, activation: str = "silu"):
     """The dense-masked MLP (kernels/dense_masked.mlp_dense_masked) with its split-bf16 router computed in the
     select: x [..., D], h [..., Dh] (the router's input), w2 [2 Gp, Dh], b [G] -> [..., D]; w_up None: w_gate is

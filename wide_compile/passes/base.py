@@ -76,7 +76,8 @@ class MLPMatch(_BlockForm):
     up_src: tuple | None = None
     activation: str = "silu"             # the gate's activation (kernels.reference.ACTIVATIONS)
     paths: dict = field(default_factory=dict)  # op -> cost_model.Decision of its rewritten op
-    router_fused: bool = False           # its norm and router run as one wide.rmsnorm_router (fuse_norm_router)
+    router_fused: bool = False           # its router runs inside another op: with its norm in one wide.rmsnorm_router
+                                         # (fuse_norm_router) or as columns of the projection GEMM (fuse_router_gemm)
     router_forms: list = field(default_factory=list)  # "composed" (compose_routers), "summed" (sum_routers)
     bucket: fx.Node | None = None        # structured router: prototype id per token [...] (match_buckets)
     protos: fx.Node | None = None        # structured router: bool prototype table [P, G]

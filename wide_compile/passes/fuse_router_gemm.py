@@ -33,7 +33,7 @@ import torch
 from ..kernels.tuning import DECODE_T
 from ..routing import router_fns as fns
 from ._graph import dense_masked_at_static_rows, erase_unused, is_linear, linear_parts, meta, node_index, static_rows
-from ._ops import wide_mlp_down_nd, wide_mlp_gate_up_nd, wide_mlp_nd
+from ._ops import dense_masked_mlp_args, wide_mlp_down_nd
 from .base import Pass, PassContext, log
 from .fuse_norm_router import match_rmsnorm_scale, match_router, unfused_routers
 from .insert_routers import _strip_casts
@@ -117,9 +117,7 @@ class FuseRouterGemm(Pass):
                 return "no linear with a static weight reads the block's normalized input (q is masked)"
             return min(lins, key=node_index(ctx.gm).__getitem__)
         for u in blk.x.users:
-            if u.target is wide_mlp_gate_up_nd and u.args[3] is blk.mask and dense_masked_at_static_rows(u):
-                return u
-            if u.target is wide_mlp_nd and u.args[4] is blk.mask and dense_masked_at_static_rows(u):
+            if dense_masked_mlp_args(u, blk.mask) is not None and dense_masked_at_static_rows(u):
                 return u
         return "its MLP is not on the dense-masked path at a static token count"
 
@@ -149,23 +147,18 @@ class FuseRouterGemm(Pass):
     def _extend_mlp(ctx: PassContext, blk, op, rows_r):
         """The dense-masked MLP as one GEMM over [gate; up; rows_r] and wide_mlp_down_nd on its first 2F columns."""
         W = ctx.weights
-        wgu = None
-        if op.target is wide_mlp_gate_up_nd:
-            x, wgu, wdt, mask, gs, act = op.args[:6]
-            parts = [W.tensor(wgu)]
-        else:
-            x, wg, wu, wdt, mask, gs = op.args[:6]
-            act = op.args[7] if len(op.args) > 7 else op.kwargs.get("activation", "silu")
-            parts = [W.tensor(wg), W.tensor(wu)]
+        x, wg, wu, wdt, gs, act = dense_masked_mlp_args(op, blk.mask)
+        parts = [W.tensor(wg)] + ([W.tensor(wu)] if wu is not None else [])  # [gate; up] as one weight, or two
         n = sum(t.shape[0] for t in parts)
         wx = W.constant(("router_rows", *map(id, parts), id(rows_r)), f"L{blk.layer}_w_gate_up_router",
                         lambda: torch.cat([*(t.detach() for t in parts), rows_r.to(parts[0].dtype)]), op)
         y = W.call(torch.nn.functional.linear, (x, wx))
-        new = W.call(wide_mlp_down_nd, (W.call(operator.getitem, (y, (Ellipsis, slice(0, n)))), wdt, mask, gs, act))
+        new = W.call(wide_mlp_down_nd, (W.call(operator.getitem, (y, (Ellipsis, slice(0, n)))), wdt, blk.mask, gs,
+                                        act))
         new.meta["wide_path"] = op.meta["wide_path"]
         op.replace_all_uses_with(new)
         erase_unused(ctx.gm, [op])
-        if wgu is not None:
-            W.drop_constant(wgu)  # fuse_gate_up's [gate; up] copy, read no more
+        if wu is None:
+            W.drop_constant(wg)  # fuse_gate_up's [gate; up] copy, read no more
         blk.ops["mlp"] = "mlp (gate, up and router in one GEMM)"
         return y, n

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..routing import router_fns as fns
 from ._graph import dense_masked_at_static_rows, erase_unused
-from ._ops import wide_mlp_gate_up_nd, wide_mlp_nd, wide_o_proj_nd, wide_routed_mlp_nd, wide_routed_o_proj_nd
+from ._ops import dense_masked_mlp_args, wide_o_proj_nd, wide_routed_mlp_nd, wide_routed_o_proj_nd
 from .base import Pass, PassContext, log
 
 
@@ -34,16 +34,15 @@ class FuseRouterSelect(Pass):
                 continue
             (user,) = mask.users
             h, w2, b = mask.args
-            if user.target is wide_o_proj_nd and user.args[3] is mask and dense_masked_at_static_rows(user):
+            if not dense_masked_at_static_rows(user):
+                continue
+            mlp = dense_masked_mlp_args(user, mask)
+            if user.target is wide_o_proj_nd and user.args[3] is mask:
                 a, wot, bo, _, gs = user.args[:5]
                 fn, args, op = wide_routed_o_proj_nd, (a, wot, bo, h, w2, b, gs), "o"
-            elif user.target is wide_mlp_nd and user.args[4] is mask and dense_masked_at_static_rows(user):
-                x, wg, wu, wdt, _, gs = user.args[:6]
-                act = user.args[7] if len(user.args) > 7 else user.kwargs.get("activation", "silu")
+            elif mlp is not None:
+                x, wg, wu, wdt, gs, act = mlp
                 fn, args, op = wide_routed_mlp_nd, (x, wg, wu, wdt, h, w2, b, gs, act), "mlp"
-            elif user.target is wide_mlp_gate_up_nd and user.args[3] is mask and dense_masked_at_static_rows(user):
-                x, wgu, wdt, _, gs, act = user.args[:6]
-                fn, args, op = wide_routed_mlp_nd, (x, wgu, None, wdt, h, w2, b, gs, act), "mlp"
             else:
                 continue
             with ctx.gm.graph.inserting_before(user):
