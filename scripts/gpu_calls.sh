@@ -43,7 +43,9 @@
 #   e2e_sdpa_unpadded      prefill with SDPA's causal kernel in every variant (--attention sdpa_unpadded)
 #   e2e_profile            per-op profiles of batch-8 decode (4-layer 8B / 3B shapes)
 #   e2e_router_dtype       fp32 against split-bf16 routers, decode batch 1 and 8, 4-layer 8B shape
-#   e2e_smollm2            needs setup: SmolLM2 with its shipped routers (E2E_PHASES, E2E_PREFILL_*, E2E_DECODE_*)
+#   e2e_smollm2            needs setup: SmolLM2 with its shipped routers (E2E_PHASES, E2E_PREFILL_*, E2E_DECODE_*;
+#                          SMOL_CAPS the capacities (0.5), SMOL_VARIANTS the variants, SMOL_ARGS more bench_e2e
+#                          options, SMOL_NAME a suffix to its files)
 #   train                  needs setup (+ .data/tok/train_tokens_6m.npz carried): scripts/gpu_smollm2.sh, the
 #                          accuracy pipeline; TRAIN_ARGS are its options (e.g. --capacities 0.5 --joint)
 #   kernel_tests           tests/test_kernel_triton.py compiled on CUDA (the pytest wheels in .whl/)
@@ -406,10 +408,11 @@ step() {
         "${SHORT[@]}" --name e2e-h200-router-$rd
     done ;;
   e2e_smollm2)
-    e2e e2e-smollm2 ${SMOL_TIMEOUT:-560} --models smollm2-135m --masks trained --capacities 0.5 \
+    e2e e2e-smollm2${SMOL_NAME:-} ${SMOL_TIMEOUT:-560} --models smollm2-135m --masks trained --capacities ${SMOL_CAPS:-0.5} \
       --phases ${E2E_PHASES:-decode prefill} --prefill-tokens ${E2E_PREFILL_TOKENS:-2048} \
       --prefill-batch ${E2E_PREFILL_BATCH:-1} --decode-ctx ${E2E_DECODE_CTX:-1024} --decode-batch ${E2E_DECODE_BATCH:-1} \
-      --variants eager inductor inductor_cg static wide wide_eager "${SHORT[@]}" --name e2e-h200-smollm2 ;;
+      --variants ${SMOL_VARIANTS:-eager inductor inductor_cg static wide wide_eager} "${SHORT[@]}" \
+      --name e2e-h200-smollm2${SMOL_NAME:-} ${SMOL_ARGS:-} ;;
   train)
     cp .data/tok/train_tokens_6m.npz "$C"/ && bash scripts/gpu_smollm2.sh ${TRAIN_ARGS:-} ;;
   attention)
