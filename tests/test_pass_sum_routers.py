@@ -58,7 +58,7 @@ def test_prefill_option_fuses_prefills_and_leaves_decode_to_sum_routers():
 
 
 def test_fuse_norm_router_option_is_checked():
-    with pytest.raises(ValueError, match="fuse_norm_router must be True, False or 'prefill'"):
+    with pytest.raises(ValueError, match="fuse_norm_router must be one of True, False, 'prefill'"):
         PassManager(fuse_norm_router="decode")
     with pytest.raises(ValueError, match="fuse_norm_router must be"):
         wc.optimize(tiny_model("llama"), wc.Routers.init(tiny_model("llama"), wc.WideConfig(router_init="random")),

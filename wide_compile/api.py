@@ -53,20 +53,12 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              GEMM over the weight split in a bf16 pair, fp32 accumulation and output (Routers.split_bf16_):
              the fp32 decisions up to rounding, at bf16 speed. A graph with a single token (batch-1 decode)
              runs the fp32 weights, where the pair does not pay (routing.routers.SPLIT_MIN_ROWS).
-    options: see wide_compile.backend (kernel_path="auto" | "table" | "dense" | "compact": the path each routed
-             projection runs; default "auto", the cost model's pick per token count, "table" the tuning table's;
-             mask_stats: what the cost model assumes of the masks, default the routers' target capacity;
-             kernel_config for the kernels' tile table, strict, mode="reduce-overhead" for CUDA graphs, Inductor
-             patches; sparse_attention="auto" | True | False: attention itself over the active head groups only,
-             "auto" at every decode step and at prefills whose head groups are KV-aligned, see
-             passes.manager.default_passes; fuse_qkv=False: K / V as their own linears; compose_routers=False:
-             pair routers as their two layers; sum_routers=False: decode-size routers as fp32 GEMMs;
-             split_routers=False: prefill-size routers as fp32 GEMMs; fuse_router_select=True: a split router
-             read by one dense-masked select runs in that select's launch (opt-in); fuse_gate_up=True: gate and up as
-             one GEMM on the dense-masked path (a copy of their weights); fuse_router_gemm=False: prefill-size routers
-             as their own GEMMs, not as extra columns of the projection GEMM after their norm (the default, whose
-             decisions are the router's up to rounding in the model's dtype); fuse_norm_router=True | "prefill": each
-             block's RMSNorm and router in one launch, everywhere or in prefill-size graphs only).
+    options: see wide_compile.backend: kernel_path="auto" | "table" | "dense" | "compact" (the path each routed
+             projection runs; default "auto", the cost model's pick per token count), mask_stats (what the cost
+             model assumes of the masks; default the routers' target capacity), kernel_config (the kernels' tile
+             table), strict, mode="reduce-overhead" for CUDA graphs, Inductor patches; and which optional passes
+             run, wide_compile.passes.PassOptions's fields (sparse_attention, fuse_qkv, compose_routers,
+             sum_routers, split_routers, fuse_router_gemm, fuse_router_select, fuse_gate_up, fuse_norm_router).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
     concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed
     reduction weights), as Inductor's freezing
@@ -78,12 +70,11 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
     if routers is not None and not isinstance(routers, Routers):
         raise TypeError(f"routers must be wide_compile.Routers, got {type(routers).__name__}")
     from .passes.cost_model import KERNEL_PATHS
-    from .passes.manager import check_fuse_norm_router, check_sparse_attention
+    from .passes.options import PassOptions
 
     if options.get("kernel_path", "auto") not in KERNEL_PATHS:  # a bad choice fails here, not in a compile
         raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {options['kernel_path']!r}")
-    check_sparse_attention(options.get("sparse_attention", "auto"))
-    check_fuse_norm_router(options.get("fuse_norm_router", False))
+    PassOptions.from_mapping(options)  # a bad pass option fails here, not inside the first compile
     if options.get("kernel_config") is not None:  # a bad table fails here, not inside the first compile
         from .kernels.tuning import resolve
 

@@ -21,28 +21,10 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    passes.cost_model.MaskStats (measured: MaskStats.measure(recorded masks)), or
                    {"attn": ..., "ffn": ...}; default the target capacity of the routers (given here, or passed
                    by optimize). Without it "auto" keeps the tuning table's paths
-    fuse_norm_router  True: each rewritten block's RMSNorm and its router (linear / SiLU-MLP / pair, float32)
-                   run as one wide.rmsnorm_router launch (passes/fuse_norm_router.py); "prefill": only in graphs of
-                   more than DECODE_T tokens (decode-size routers stay with sum_routers); default False
-    sum_routers    True (default): in graphs of at most DECODE_T tokens, each unfused linear / pair router's logits as
-                   one Inductor reduction instead of an fp32 GEMM (passes/sum_routers.py); False keeps the GEMM
-    compose_routers  True (default): each pair router runs as the one linear map it is, one fp32 GEMM where its two
-                   layers ran two (passes/compose_routers.py); False keeps the two layers
-    split_routers  True (default): in bf16 graphs of more than DECODE_T tokens each linear router (composed pair
-                   routers too) runs as one bf16 tensor-core GEMM over its weight as a bf16 pair
-                   (passes/split_routers.py); False keeps the fp32 GEMM
-    fuse_router_select  True: a split router whose one reader is a dense-masked op's select (the MLP's act(g) * u,
-                   o_proj's input) is computed in that select's launch (passes/fuse_router_select.py); default False
-                   (its own GEMM), opt-in: benchmarks/results/lean-h100/README.md has its timings
-    fuse_gate_up   True: where the MLP's path is dense-masked at a static token count, gate and up run as one GEMM
-                   over a concatenated copy of their weights (made when the graph compiles); default False
-    fuse_router_gemm  True (default): in graphs of more than DECODE_T tokens, a linear router on the residual stream runs
-                   as extra output columns of the GEMM that reads its block's RMSNorm output, the mask then computed in
-                   the select that reads it (passes/fuse_router_gemm.py); decisions as the router's up to rounding in
-                   the model's dtype; False keeps the router's own GEMM
-    fuse_qkv       True (default): where q's path at the graph's token count is the one-token GEMV or the dense-masked
-                   GEMM, K and V run in q's launch over a concatenated weight (passes/rewrite_attention.py); False
-                   keeps them as their own linears
+    sparse_attention, fuse_norm_router, sum_routers, fuse_qkv, compose_routers, split_routers, fuse_router_select,
+    fuse_gate_up, fuse_router_gemm
+                   which optional passes run: wide_compile.passes.PassOptions (each field's comment says what it does,
+                   its default and where its timing is)
     strict         raise instead of warning when a routed block cannot use the WIDE kernels (default False: it keeps
                    its routing on the masked reference, with a warning)
     inductor       False: return the rewritten graph's Python forward (no Inductor; debugging / explain)
@@ -59,14 +41,13 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from .passes import PassManager, counters
+from .passes import PassManager, PassOptions, counters
 from .passes._ops import missing_ops
 
 log = logging.getLogger("wide_compile.backend")
 
-_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "sparse_attention",
-        "kernel_path", "mask_stats", "fuse_norm_router", "sum_routers", "fuse_qkv", "compose_routers",
-        "split_routers", "fuse_router_select", "fuse_gate_up", "fuse_router_gemm")
+_OWN = ("routers", "geometry", "kernel_config", "strict", "inductor", "report", "mode", "kernel_path",
+        "mask_stats") + PassOptions.names()
 
 
 def _split_options(options: dict) -> tuple[dict, dict]:
@@ -85,11 +66,6 @@ def _mask_stats(own: dict):
     return own.get("mask_stats")
 
 
-def _fuse_norm_router(value):
-    """The option as the pass manager takes it: "prefill" as it is, anything else as a bool."""
-    return value if value == "prefill" else bool(value)
-
-
 def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     own, inductor_patches = _split_options(options)
     missing = missing_ops()
@@ -104,15 +80,7 @@ def wide_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options):
     else:
         from .kernels.tuning import as_arg
 
-        passes = PassManager(sparse_attention=own.get("sparse_attention", "auto"),
-                             fuse_norm_router=_fuse_norm_router(own.get("fuse_norm_router", False)),
-                             sum_routers=bool(own.get("sum_routers", True)),
-                             fuse_qkv=bool(own.get("fuse_qkv", True)),
-                             compose_routers=bool(own.get("compose_routers", True)),
-                             split_routers=bool(own.get("split_routers", True)),
-                             fuse_router_select=bool(own.get("fuse_router_select", False)),
-                             fuse_gate_up=bool(own.get("fuse_gate_up", False)),
-                             fuse_router_gemm=bool(own.get("fuse_router_gemm", True)))
+        passes = PassManager(options=PassOptions.from_mapping(own))
         ctx = passes.run(gm, example_inputs, routers=own.get("routers"), strict=bool(own.get("strict")),
                          geometry=own.get("geometry"), kernel_tuning=as_arg(own.get("kernel_config")),
                          kernel_path=own.get("kernel_path") or "auto", mask_stats=_mask_stats(own))

@@ -3,6 +3,7 @@ from .base import (AttnMatch, GraphReport, MLPMatch, Pass, PassContext, RoutingD
                    counters, op_counts)
 from .insert_routers import NoRoutersError
 from .manager import PassManager, default_passes
+from .options import PassOptions
 
-__all__ = ["PassManager", "PassContext", "Pass", "GraphReport", "MLPMatch", "AttnMatch", "WideFallbackWarning",
+__all__ = ["PassManager", "PassOptions", "PassContext", "Pass", "GraphReport", "MLPMatch", "AttnMatch", "WideFallbackWarning",
            "RoutingDroppedError", "NoRoutersError", "counters", "default_passes", "op_counts"]

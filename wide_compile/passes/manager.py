@@ -24,6 +24,7 @@ from .fuse_router_gemm import FuseRouterGemm
 from .fuse_router_select import FuseRouterSelect
 from .insert_routers import InsertRouters
 from .match_buckets import MatchBuckets
+from .options import PassOptions
 from .rewrite_attention import RewriteAttention
 from .rewrite_mlp import RewriteMLP
 from .rewrite_sdpa import RewriteSDPA
@@ -31,67 +32,36 @@ from .split_routers import SplitRouters
 from .sum_routers import SumRouters
 
 
-def check_sparse_attention(value) -> None:
-    if not (value is True or value is False or value == "auto"):
-        raise ValueError(f"sparse_attention must be 'auto', True or False, got {value!r}")
-
-
-def check_fuse_norm_router(value) -> None:
-    if not (value is True or value is False or value == "prefill"):
-        raise ValueError(f"fuse_norm_router must be True, False or 'prefill', got {value!r}")
-
-
-def default_passes(sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
-                   sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                   split_routers: bool = True, fuse_router_select: bool = False,
-                   fuse_gate_up: bool = False, fuse_router_gemm: bool = True) -> list[Pass]:
-    """The WIDE passes in order. `sparse_attention` decides rewrite_sdpa (attention over the active head groups
-    only: wide.attn_decode / wide.attn_prefill): "auto" rewrites every decode step the kernel takes and the
-    prefills of blocks whose head groups are KV-aligned (whole KV heads), True also the prefills of 1-head groups,
-    False none; what each choice measured is in benchmarks/results/lean-h100/README.md (fifth run) and
-    benchmarks/results/attention/README.md. `fuse_norm_router` adds fuse_norm_router (each block's RMSNorm and
-    router in one wide.rmsnorm_router launch; "prefill": only in graphs of more than DECODE_T tokens, where the
-    kernel runs a linear router as tiles of rows on tensor cores), opt-in: at decode it was not faster than the
-    unfused step (benchmarks/results/lean-h100/README.md). It runs after the rewrites (the earlier passes hold the
-    mask nodes it replaces) and before split_routers, which then splits only the routers it left. `sum_routers`
-    (default) adds sum_routers: the routers left unfused in graphs of decode size as one Inductor reduction each,
-    after fuse_norm_router so that the fused ones stay fused. `fuse_qkv` (default) lets
-    K / V run in q's launch where q's path allows it (rewrite_attention.QKV_PATHS). `compose_routers` (default)
-    runs each pair router as the one linear map it is, after the rewrites and before the passes that fuse or sum
-    routers. `split_routers` (default) adds split_routers after it: in bf16 graphs of prefill size each linear
-    router (composed ones too) runs on tensor cores over its weight as a bf16 pair. `fuse_router_select` adds
-    fuse_router_select last: a split router whose one reader is a dense-masked op's select runs inside that select
-    (wide.routed_select / wide.routed_gated_select), no launch of its own; opt-in: at SmolLM2's prefill it was
-    slower than the router GEMM and Inductor's select it replaces (benchmarks/results/lean-h100/README.md).
-    `fuse_gate_up` (opt-in, untimed) lets rewrite_mlp run gate and up as one GEMM over a concatenated copy of their
-    weights where the MLP's path is dense-masked at a static token count. `fuse_router_gemm` (default) adds
-    fuse_router_gemm after compose_routers: in prefill-size graphs a linear router on the residual stream runs as
-    extra output columns of the GEMM that reads the block's RMSNorm output, its decisions the same up to rounding
-    in the model's dtype; the routers it takes are fused, so the passes after it leave them alone. What it
-    measured against the router's own GEMM: benchmarks/results/lean-h100/README.md (ninth run)."""
-    check_sparse_attention(sparse_attention)
-    check_fuse_norm_router(fuse_norm_router)
-    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(fuse_gate_up),
-              RewriteAttention(fuse_qkv=fuse_qkv)]
-    passes += [RewriteSDPA(prefill_kv_aligned_only=sparse_attention == "auto")] if sparse_attention is not False else []
-    passes += [ComposeRouters()] if compose_routers else []
-    passes += [FuseRouterGemm()] if fuse_router_gemm else []
-    passes += [FuseNormRouter(prefill_only=fuse_norm_router == "prefill")] if fuse_norm_router else []
-    passes += [SplitRouters()] if split_routers else []
-    passes += [SumRouters()] if sum_routers else []
-    return passes + ([FuseRouterSelect()] if fuse_router_select else [])
+def default_passes(options: PassOptions | None = None, **kwargs) -> list[Pass]:
+    """The WIDE passes in order, the optional ones as `options` (or PassOptions(**kwargs)) says (each field's
+    meaning and default: options.py). The order matters: the rewrites first (detect, insert routers, match
+    buckets, MLP, attention, SDPA); then compose_routers (a pair router as one linear map); then the passes that
+    take routers into other launches, each leaving alone what an earlier one fused: fuse_router_gemm (prefill-size
+    routers as columns of the projection GEMM), fuse_norm_router (needs the rewrites' mask nodes), split_routers
+    (the prefill-size routers left), sum_routers (the decode-size routers left); fuse_router_select last, on the
+    split routers."""
+    if options is not None and kwargs:
+        raise TypeError("default_passes takes a PassOptions or keyword options, not both")
+    o = options if options is not None else PassOptions(**kwargs)
+    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(o.fuse_gate_up),
+              RewriteAttention(fuse_qkv=o.fuse_qkv)]
+    if o.sparse_attention is not False:
+        passes.append(RewriteSDPA(prefill_kv_aligned_only=o.sparse_attention == "auto"))
+    optional = [(o.compose_routers, ComposeRouters), (o.fuse_router_gemm, FuseRouterGemm),
+                (o.fuse_norm_router, lambda: FuseNormRouter(prefill_only=o.fuse_norm_router == "prefill")),
+                (o.split_routers, SplitRouters), (o.sum_routers, SumRouters),
+                (o.fuse_router_select, FuseRouterSelect)]
+    return passes + [make() for on, make in optional if on]
 
 
 class PassManager:
+    """Runs `passes` (default: default_passes of `options`, or of PassOptions(**kwargs)) on a graph."""
+
     def __init__(self, passes: Sequence[Pass] | None = None, check_leftovers: bool | None = None,
-                 sparse_attention: bool | str = "auto", fuse_norm_router: bool | str = False,
-                 sum_routers: bool = True, fuse_qkv: bool = True, compose_routers: bool = True,
-                 split_routers: bool = True, fuse_router_select: bool = False, fuse_gate_up: bool = False,
-                 fuse_router_gemm: bool = True):
-        self.passes = list(passes) if passes is not None else default_passes(sparse_attention, fuse_norm_router,
-                                                                             sum_routers, fuse_qkv, compose_routers,
-                                                                             split_routers, fuse_router_select,
-                                                                             fuse_gate_up, fuse_router_gemm)
+                 options: PassOptions | None = None, **kwargs):
+        if passes is not None and (options is not None or kwargs):
+            raise TypeError("PassManager takes a pass list or pass options, not both")
+        self.passes = list(passes) if passes is not None else default_passes(options, **kwargs)
         self.check_leftovers = passes is None if check_leftovers is None else check_leftovers
 
     def run(self, gm: fx.GraphModule, example_inputs, routers=None, strict: bool = False,
