@@ -21,15 +21,13 @@ def row_key(r: dict) -> tuple:
 
 def base_record(model: str, layers: int, weights: str, phase: str, tokens: int, batch: int, cap: float,
                 masks: str, options) -> dict:
+    from wide_compile.passes.options import PassOptions
+
     return {"model": model, "layers": layers, "weights": weights, "phase": phase,
             "tokens": tokens, "batch": batch, "capacity": cap, "masks": masks,
             "router_dtype": options.router_dtype, "kernel_config": options.kernel_config,
-            "attention": options.attention, "sparse_attention": options.sparse_attention,
-            "kernel_path": options.kernel_path, "fuse_norm_router": options.fuse_norm_router,
-            "sum_routers": options.sum_routers, "fuse_qkv": options.fuse_qkv,
-            "compose_routers": options.compose_routers, "split_routers": options.split_routers,
-            "fuse_router_select": options.fuse_router_select, "fuse_gate_up": options.fuse_gate_up,
-            "fuse_router_gemm": options.fuse_router_gemm,
+            "attention": options.attention, "kernel_path": options.kernel_path,
+            **{name: getattr(options, name) for name in PassOptions.names()},
             "router_recipe": options.router_recipe(model) if masks != "trained" else "trained"}
 
 

@@ -172,12 +172,10 @@ def compile_wide(wide_model, routers, options, capacity=None, info=None, **kw):
     own = {**({"kernel_config": kc} if kc else {})}
     if options.wide_entry == "optimize" or options.wide_backend == "wide":  # the project's backend's own options
         # every option stated, so a row means the same whatever optimize's defaults are
+        from wide_compile.passes.options import PassOptions
+
         own.update({"mask_stats": capacity} if capacity is not None else {}, kernel_path=options.kernel_path,
-                   fuse_norm_router=options.fuse_norm_router, sum_routers=options.sum_routers,
-                   fuse_qkv=options.fuse_qkv, compose_routers=options.compose_routers,
-                   sparse_attention=options.sparse_attention,
-                   split_routers=options.split_routers, fuse_router_select=options.fuse_router_select,
-                   fuse_gate_up=options.fuse_gate_up, fuse_router_gemm=options.fuse_router_gemm)
+                   **{name: getattr(options, name) for name in PassOptions.names()})
         if options.wide_entry != "optimize":  # optimize collects the reports itself (model._wide_reports)
             own["report"] = report
     elif options.sparse_attention is True:  # another backend gets the option only when asked for
