@@ -683,3 +683,39 @@ def test_prefill_cuda_graphs_option_and_report_note():
     assert not parse(["--smoke"]).prefill_cuda_graphs
     assert "for prefill and decode" in _graphs_note({"command": "bench_e2e.py --prefill-cuda-graphs"})
     assert "default mode for prefill" in _graphs_note({"command": "bench_e2e.py"})
+
+
+def test_use_lora_merges_into_the_wide_model_only(tmp_path):
+    """BenchModel.use_lora: the WIDE model gets the LoRA-merged weights (as peft merges them), the dense model keeps
+    its own, the parameters the LoRA does not touch stay shared, and None shares the dense weights again."""
+    import torch
+
+    from e2e.bench_model import BenchModel
+    from e2e.models import shared_clone
+    from wide_compile.models import tiny_model
+    from wide_compile.training.stage2 import apply_lora, load_lora_merged, save_lora
+
+    pm = apply_lora(tiny_model("llama", seed=0), rank=4, alpha=8)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # a LoRA that changes the model
+    lora = str(tmp_path / "lora.safetensors")
+    save_lora(pm, lora)
+
+    bm = BenchModel.__new__(BenchModel)  # only the two models and the merged LoRA's name
+    bm.dense, bm.lora = tiny_model("llama", seed=0), None
+    bm.wide_model = shared_clone(bm.dense)
+    before = {n: p.clone() for n, p in bm.dense.named_parameters()}
+    expected = dict(load_lora_merged(tiny_model("llama", seed=0), lora).named_parameters())
+
+    bm.use_lora(lora)
+    wide, dense = dict(bm.wide_model.named_parameters()), dict(bm.dense.named_parameters())
+    changed = [n for n in dense if wide[n] is not dense[n]]
+    assert changed and all(n.endswith("proj.weight") for n in changed)
+    for n in dense:
+        torch.testing.assert_close(wide[n], expected[n], rtol=0, atol=0)
+        torch.testing.assert_close(dense[n], before[n], rtol=0, atol=0)
+    assert bm.lora == lora
+    bm.use_lora(None)
+    assert all(p is dense[n] for n, p in bm.wide_model.named_parameters())

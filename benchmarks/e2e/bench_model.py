@@ -36,12 +36,34 @@ class BenchModel:
         self.vocab = self.config.vocab_size
         self.dense_bytes = MD.param_bytes(self.dense)
         self.wide_model = MD.shared_clone(self.dense, wide_attention(self.dense.config._attn_implementation))
+        self.lora: str | None = None  # the LoRA merged into wide_model's weights (None: it shares the dense ones)
         self.calib_ids = self.ids(o.calib_tokens, 1, torch.Generator().manual_seed(o.seed + 7))  # [1, calib]
         self.routers = RouterSets(self)
         c = self.config
         log(f"== {name}: {self.layers} layers, hidden {c.hidden_size}, FFN {c.intermediate_size}, "
             f"{c.num_attention_heads}/{c.num_key_value_heads} heads, weights={self.weights}, "
             f"{self.dense_bytes / 2**30:.2f} GiB")
+
+    def use_lora(self, path: str | None) -> None:
+        """wide_model's weights become the dense model's with the LoRA at `path` merged (peft, on a copy of the
+        dense model), as the shipped routers run in the product (their stage-2 LoRA merged, as the demo does);
+        None: the dense model's own tensors again. The dense model is never changed."""
+        if path == self.lora:
+            return
+        import copy
+
+        from wide_compile.training.stage2 import load_lora_merged
+
+        dense = dict(self.dense.named_parameters())
+        merged = {} if path is None else dict(load_lora_merged(copy.deepcopy(self.dense), path).named_parameters())
+        modules = dict(self.wide_model.named_modules())
+        for name, p in dense.items():
+            owner, _, leaf = name.rpartition(".")
+            q = merged.get(name)
+            keep = q is None or torch.equal(q, p)
+            modules[owner]._parameters[leaf] = p if keep else torch.nn.Parameter(q.detach(), requires_grad=False)
+        self.lora = path
+        log(f"  WIDE model weights: {'the dense ones' if path is None else 'LoRA merged from ' + str(path)}")
 
     def text_ids(self, tok, n: int, batch: int = 1) -> torch.Tensor:
         return text_ids(tok, n, batch, text_file=self.run.text_file, log=log)

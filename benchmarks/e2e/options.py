@@ -73,6 +73,7 @@ class BenchOptions:
     text_file: str | None = None
     no_trained_stats: bool = False
     no_trained_masks: bool = False
+    no_lora: bool = False
     wide_backend: str = "wide"
     wide_entry: str = "backend"
     no_cuda_graphs: bool = False
@@ -264,6 +265,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="do not fit correlated masks to trained routers; use the synthetic defaults")
     p.add_argument("--no-trained-masks", action="store_true",
                    help="on the real SmolLM2, do not add the 'trained' mask rows")
+    p.add_argument("--no-lora", action="store_true",
+                   help="time the shipped SmolLM2 routers on the dense weights, without their stage-2 LoRA merged "
+                        "(default: merged into the WIDE model, as the product runs them; their masks differ)")
     p.add_argument("--wide-backend", default="wide", help="dynamo backend name for the WIDE variant")
     p.add_argument("--wide-entry", choices=["backend", "optimize"], default="backend",
                    help="backend: torch.compile(model, backend=...); optimize: wide_compile.optimize(model, routers)")

@@ -12,6 +12,7 @@ class RouterSets:
         self.bm = bm
         self.cache: dict = {}
         self.mask_model: dict | None = None  # the correlated masks' fitted model, once fitted
+        self.trained_sets: dict = {}  # capacity -> the name of the shipped set trained() chose
 
     def cfg(self, cap: float):
         o = self.bm.run.options
@@ -52,7 +53,20 @@ class RouterSets:
         cands = [c for c in cands if c[0] <= 0.05]
         if not cands:
             raise RuntimeError(f"no trained SmolLM2 routers with capacity ~{cap} (available: {names or 'none'})")
-        return min(cands, key=lambda c: c[0])[2]
+        _, name, routers = min(cands, key=lambda c: c[0])
+        self.trained_sets[round(cap, 4)] = name
+        return routers
+
+    def lora(self, cap: float, masks: str) -> str | None:
+        """The LoRA that goes with a row's routers: the shipped set's stage-2 LoRA for trained routers (unless
+        --no-lora), else None (the dense weights)."""
+        if masks != "trained" or self.bm.run.options.no_lora:
+            return None
+        self.get(cap, masks)
+        from wide_compile.pretrained import lora_path
+
+        path = lora_path(self.trained_sets[round(cap, 4)])
+        return None if path is None else str(path)
 
     def build(self, cap: float, masks: str):
         bm, seed = self.bm, self.bm.run.options.seed

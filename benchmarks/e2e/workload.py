@@ -10,6 +10,7 @@ interleaved rounds (e2e/timing.py), the references in every row, so each ratio c
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -243,6 +244,7 @@ class Workload:
                         shared_measurement=masks == "all-on")
         res.routers = routers = self.routers_for(cap, masks, res)
         if routers is not None:
+            self.bm.use_lora(self.bm.routers.lora(cap, masks))
             wc.attach(self.wide_model, routers)
             try:
                 res.measured = measured_capacity(self.wide_model, self.step_of(self.wide_model), self.reset, routers)
@@ -257,7 +259,8 @@ class Workload:
         for mm in self.emitted(masks):
             rec = fill(self.record(cap, mm), res, self.bm.routers.mask_model)
             # each record names its own run: a resumed file holds rows of several runs
-            rec.update(command=self.run.meta.get("command"), date=self.run.meta.get("date"))
+            rec.update(command=self.run.meta.get("command"), date=self.run.meta.get("date"),
+                       lora=os.path.basename(self.bm.lora) if routers is not None and self.bm.lora else None)
             self.run.add(rec)
             log(R.one_line(rec))
         self.run.write()
