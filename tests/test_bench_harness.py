@@ -424,7 +424,8 @@ def test_options_match_the_parser():
     q = parse_options(["--quick", "--device", "cpu"])
     assert q.layers == 8 and q.time_budget_s == 240.0 and "max_autotune" not in q.variants
     full = parse_options(["--device", "cpu"])
-    assert full.variants == [v for v in VARIANTS if v not in ("wide_table", "wide_fused", "wide_fused_prefill",
+    assert full.variants == [v for v in VARIANTS if v not in ("wide_table", "wide_dense_masked", "wide_fused",
+                                                               "wide_fused_prefill",
                                                                "wide_fused_dense",
                                                                "wide_gemm_routers", "wide_router_select", "wide_gate_up",
                                                                "wide_lean_prefill", "wide_qkv_split",
@@ -432,7 +433,7 @@ def test_options_match_the_parser():
                                                                "wide_router_own_gemm", "wide_sparse_attn")]
     assert full.capacities == [1.0, 0.75, 0.5, 0.3]
     assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_table",
-                              "wide_fused", "wide_fused_prefill", "wide_fused_dense", "wide_gemm_routers", "wide_qkv_split", "wide_pair_routers",
+                              "wide_dense_masked", "wide_fused", "wide_fused_prefill", "wide_fused_dense", "wide_gemm_routers", "wide_qkv_split", "wide_pair_routers",
                               "wide_fp32_routers", "wide_router_select", "wide_gate_up", "wide_lean_prefill",
                               "wide_router_own_gemm", "wide_sparse_attn",
                               "wide_eager",

@@ -12,6 +12,8 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
   wide          torch.compile(model, backend="wide") with routers attached (decode: + manual CUDA graph)
   wide_table    wide with every op on the tuning table's path (kernel_path="table"), beside wide's cost-model
                 choice in the same run
+  wide_dense_masked  wide with every op on its dense-masked path (kernel_path="dense"; the routers still in the
+                projection GEMMs where fuse_router_gemm takes them): whether the cost model's compact picks beat it
   wide_fused    wide with each block's RMSNorm and router in one launch (fuse_norm_router=True)
   wide_fused_prefill  the same in prefill-size graphs only (fuse_norm_router="prefill"; decode keeps summed routers)
   wide_fused_dense  wide_fused with every projection on its dense-masked path (kernel_path="dense"): the fewest
@@ -246,6 +248,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("static", "static", "capacity", build_static),
     VariantSpec("wide", "wide", "routers", build_wide, why_not=_wide_why_not),
     _wide_ab("wide_table", "speedup, table paths", kernel_path="table"),
+    _wide_ab("wide_dense_masked", "speedup, dense-masked paths", kernel_path="dense"),
     # the fused norm + router and the router in the select take routers fuse_router_gemm would take first: off there
     _wide_ab("wide_fused", "speedup, fused norm+router", fuse_norm_router=True, fuse_router_gemm=False),
     _wide_ab("wide_fused_prefill", "speedup, fused norm+router at prefill", fuse_norm_router="prefill",
