@@ -162,3 +162,17 @@ def test_optimize_through_inductor_on_the_cpu(on):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     assert sum(r.counts.get("fuse_router_gemm.fused", 0) for r in model._wide_reports) == (2 * L if on else 0)
     torch._dynamo.reset()
+
+
+def test_norm_router_fusion_leaves_the_gemm_routers_alone():
+    """fuse_norm_router=True with the pass on: the routers already in the projection GEMMs are not fused with their
+    norm a second time (their router nodes are gone: a second fusion would read a stale router)."""
+    model, ids = build(DECODE_T + 40)
+    (gm0, ex0), (gm, ex), ctx = compile_pair(model, ids, fuse_norm_router=True)
+    L = model.config.num_hidden_layers
+    assert ctx.report.counts["fuse_router_gemm.fused"] == 2 * L
+    assert ctx.report.counts["fuse_norm_router.fused"] == 0
+    assert "wide.rmsnorm_router" not in str(ctx.report)
+    with torch.no_grad():
+        like = model(input_ids=ids).logits
+    torch.testing.assert_close(run_logits(gm, ex, like), run_logits(gm0, ex0, like), atol=2e-4, rtol=2e-4)

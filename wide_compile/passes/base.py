@@ -76,9 +76,10 @@ class MLPMatch(_BlockForm):
     up_src: tuple | None = None
     activation: str = "silu"             # the gate's activation (kernels.reference.ACTIVATIONS)
     paths: dict = field(default_factory=dict)  # op -> cost_model.Decision of its rewritten op
-    router_fused: bool = False           # its router runs inside another op: with its norm in one wide.rmsnorm_router
-                                         # (fuse_norm_router) or as columns of the projection GEMM (fuse_router_gemm)
-    router_forms: list = field(default_factory=list)  # "composed" (compose_routers), "summed" (sum_routers)
+    # how its router runs, as the passes after the rewrite left it: "composed" (compose_routers), "in_gemm"
+    # (fuse_router_gemm), "with_norm" (fuse_norm_router), "split" (split_routers), "summed" (sum_routers),
+    # "in_select" (fuse_router_select)
+    router_forms: list = field(default_factory=list)
     bucket: fx.Node | None = None        # structured router: prototype id per token [...] (match_buckets)
     protos: fx.Node | None = None        # structured router: bool prototype table [P, G]
     ops: dict = field(default_factory=dict)  # "mlp" -> the wide op it runs ("mlp" / "mlp_bucket")
@@ -106,8 +107,7 @@ class AttnMatch(_BlockForm):
     sdpa_kind: str = ""                  # "decode" / "prefill" once sdpa runs a wide.attn_* op (rewrite_sdpa)
     sdpa_reason: str = ""                # why sdpa stayed dense in a rewritten block
     paths: dict = field(default_factory=dict)  # "q" / "o" -> cost_model.Decision of its rewritten op
-    router_fused: bool = False
-    router_forms: list = field(default_factory=list)
+    router_forms: list = field(default_factory=list)  # as MLPMatch
     bucket: fx.Node | None = None        # as MLPMatch
     protos: fx.Node | None = None
     ops: dict = field(default_factory=dict)  # "q" / "o" -> the wide op each runs ("o_proj" / "o_proj_bucket")
@@ -173,6 +173,15 @@ def op_counts(gm: fx.GraphModule) -> Counter:
         elif n.op == "call_method":
             c["." + n.target] += 1
     return c
+
+
+def router_fused(blk) -> bool:
+    """The block's router runs inside another op (with its norm, or as columns of the projection GEMM), so no
+    later pass may take it."""
+    return any(f in FUSED_ROUTER_FORMS for f in blk.router_forms)
+
+
+FUSED_ROUTER_FORMS = ("with_norm", "in_gemm")
 
 
 class PassContext:

@@ -27,7 +27,7 @@ from torch import fx
 from ..routing import router_fns as fns
 from ._graph import SILU_FNS, erase_unused, is_call, is_linear, is_mul, linear_parts, meta, node_index, static_rows
 from ._ops import wide_add_rmsnorm_router_nd, wide_rmsnorm_router_nd
-from .base import Pass, PassContext, log
+from .base import Pass, PassContext, log, router_fused
 from .insert_routers import _strip_casts
 
 _INSERTED = {fns.linear_router_mask: "linear", fns.mlp_router_mask: "mlp", fns.pair_router_mask: "pair"}
@@ -151,7 +151,7 @@ def unfused_routers(ctx: PassContext) -> list:
     """The rewritten blocks whose router is still a graph of its own (not a constant mask, not fused into its
     norm): the routers compose_routers, split_routers and sum_routers rewrite."""
     return [b for b in (*ctx.attns, *ctx.mlps)
-            if b.status == "rewritten" and b.mask is not None and b.mask.op != "get_attr" and not b.router_fused]
+            if b.status == "rewritten" and b.mask is not None and b.mask.op != "get_attr" and not router_fused(b)]
 
 
 def replace_router(ctx: PassContext, blk, fn, h, w, b, nodes) -> None:
@@ -240,7 +240,8 @@ class FuseNormRouter(Pass):
             mask = ctx.weights.call(operator.getitem, (fused, 2 if terms else 1))
         norm.replace_all_uses_with(y)
         blk.mask.replace_all_uses_with(mask)
-        old_mask, blk.mask, blk.x, blk.router_fused = blk.mask, mask, y, True
+        old_mask, blk.mask, blk.x = blk.mask, mask, y
+        blk.router_forms.append("with_norm")
         erase_unused(ctx.gm, [old_mask, *nodes, norm, *norm_nodes])
         if terms is not None:
             h.replace_all_uses_with(total)

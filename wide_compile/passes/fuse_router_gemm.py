@@ -97,7 +97,7 @@ class FuseRouterGemm(Pass):
             mask = W.call(fns.normed_router_mask, (z, c, rsqrt))
         old = blk.mask
         old.replace_all_uses_with(mask)
-        blk.mask, blk.router_fused = mask, True
+        blk.mask = mask
         erase_unused(ctx.gm, [old, *nodes])
         W.drop_constant(w_r)
         blk.router_forms.append("in_gemm")

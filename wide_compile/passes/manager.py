@@ -148,10 +148,9 @@ def _kernel_detail(b, plural: bool) -> str:
                                              "summed": "summed over the width",
                                              "split": "on tensor cores over a bf16 pair",
                                              "in_select": "computed in its dense-masked op's select",
-                                             "in_gemm": "columns of the projection GEMM after its norm"}[f]
+                                             "in_gemm": "columns of the projection GEMM after its norm",
+                                             "with_norm": "with its norm in one wide.rmsnorm_router launch"}[f]
                                             for f in b.router_forms))
-    if b.router_fused and "in_gemm" not in b.router_forms:
-        parts.append("norm + router: wide.rmsnorm_router")
     return "".join("; " + p for p in parts)
 
 
