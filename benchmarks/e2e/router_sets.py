@@ -58,11 +58,10 @@ class RouterSets:
         return routers
 
     def lora(self, cap: float, masks: str) -> str | None:
-        """The LoRA that goes with a row's routers: the shipped set's stage-2 LoRA for trained routers (unless
-        --no-lora), else None (the dense weights)."""
+        """The LoRA that goes with a row's routers (after get() built them): the shipped set's stage-2 LoRA for
+        trained routers (unless --no-lora), else None (the dense weights)."""
         if masks != "trained" or self.bm.run.options.no_lora:
             return None
-        self.get(cap, masks)
         from wide_compile.pretrained import lora_path
 
         path = lora_path(self.trained_sets[round(cap, 4)])
@@ -88,7 +87,9 @@ class RouterSets:
     def get(self, cap: float, masks: str):
         key = (round(cap, 4), masks)
         if key not in self.cache:
+            self.bm.use_lora(None)  # random and correlated routers are fitted on the dense weights
             r = self.build(cap, masks)
+            self.bm.use_lora(self.lora(cap, masks))  # measured on the weights the row runs them on
             self._calibration_capacity(r)
             self.cache[key] = r
         return self.cache[key]
