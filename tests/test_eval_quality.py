@@ -263,3 +263,36 @@ def test_generation_record_has_teacher_forced_agreement(tmp_path):
         assert all(p["tf_first_match"] == (p["agreement"] > 0) for p in res["per_prompt"])
         if full:
             assert tf["top1_agreement"] == 1.0 and tf["implied_frac_agree_at"] == 1.0 and res["frac_agree_at"] == 1.0
+
+
+def test_capacity_along_matches_each_sequence_measured_alone():
+    """capacity_along (batched, right-padded) equals the token-weighted capacity of each prompt + answer measured
+    alone with measure_capacity: the prompt's positions, and the positions that predict the answer's tokens."""
+    from wide_compile.eval.generation import capacity_along
+    from wide_compile.routing import record_masks
+    from wide_compile.routing.measure import capacity_from_record
+
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7)]
+    conts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (4, 1, 6, 3, 5)]
+    routers = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random"), seed=3)
+    wc.attach(model, routers)
+    try:
+        got = capacity_along(model, prompts, conts, batch_size=2)
+        want = {"prompt": [], "answer": []}
+        for p, c in zip(prompts, conts):
+            with torch.no_grad(), record_masks(model) as rec:
+                model(input_ids=torch.tensor(p + c)[None])  # one sequence, no padding
+            for name, (lo, hi) in (("prompt", (0, len(p))), ("answer", (len(p) - 1, len(p) - 1 + len(c)))):
+                w = torch.zeros(len(p) + len(c))
+                w[lo:hi] = 1  # its positions lo .. hi - 1 counted
+                want[name].append((capacity_from_record(routers, rec, w), hi - lo))
+    finally:
+        wc.detach(model)
+    for name in ("prompt", "answer"):
+        tokens = sum(k for _, k in want[name])
+        assert got[name]["tokens"] == tokens
+        for part in ("overall", "attn", "ffn"):
+            expect = sum(m[part] * k for m, k in want[name]) / tokens
+            assert got[name][part] == pytest.approx(expect, abs=1e-6)

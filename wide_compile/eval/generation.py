@@ -130,6 +130,40 @@ def top1_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
     return out
 
 
+@torch.no_grad()
+def capacity_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]], batch_size: int = 32) -> dict:
+    """The routers' FLOP capacity (overall / attn / ffn) on the prompts' positions and on the positions that predict
+    the continuation's tokens (prompt's last .. continuation's second to last), teacher-forced as _teacher_forced
+    runs them (right padding excluded): what the routers spend while they write the answer, which a calibration on
+    other text does not fix."""
+    from ..routing import record_masks
+    from ..routing.attach import _require
+    from ..routing.measure import capacity_from_record
+
+    weights: dict[str, list] = {"prompt": [], "answer": []}
+    with record_masks(model) as rec:
+        for _ in _teacher_forced(model, prompt_ids, cont_ids, batch_size):
+            pass
+    seqs = [(len(p), len(c)) for p, c in zip(prompt_ids, cont_ids)]
+    for k in range(0, len(seqs), batch_size):  # the batches _teacher_forced ran, in its order
+        grp = seqs[k:k + batch_size]
+        S = max(p + n for p, n in grp)
+        w = {name: torch.zeros(len(grp), S) for name in weights}
+        for r, (p, n) in enumerate(grp):
+            w["prompt"][r, :p] = 1
+            w["answer"][r, p - 1:p - 1 + n] = 1
+        for name in weights:
+            weights[name].append(w[name].reshape(-1))
+    routers = _require(model).routers
+    out = {}
+    for name, ws in weights.items():
+        weight = torch.cat(ws)
+        if weight.sum() > 0:
+            c = capacity_from_record(routers, rec, weight)
+            out[name] = {"overall": c["overall"], "attn": c["attn"], "ffn": c["ffn"], "tokens": c["tokens"]}
+    return out
+
+
 TF_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64))
 
 

@@ -65,8 +65,8 @@ def run_positions(models, a, root):
 
 def run_generation(models, a, root):
     from . import prompts as prompt_sets
-    from .generation import (agreement_summary, encode_prompts, greedy_continuations, stop_ids, teacher_forced_summary,
-                             top1_along)
+    from .generation import (agreement_summary, capacity_along, encode_prompts, greedy_continuations, stop_ids,
+                             teacher_forced_summary, top1_along)
 
     rows = prompt_sets.load(a.prompts)[:a.limit]
     tok = models.tokenizer
@@ -78,11 +78,13 @@ def run_generation(models, a, root):
     with routed(models.wide, models.routers):
         wide_cont = greedy_continuations(models.wide, ids, **kw)
         wide_top = top1_along(models.wide, ids, dense_cont, a.batch_size)  # teacher-forced along dense's answer
+        capacity = capacity_along(models.wide, ids, dense_cont, a.batch_size)
     with routed(models.dense, None):
         res = agreement_summary(ids, dense_cont, wide_cont, models.dense, a.max_new_tokens, a.agree_at,
                                 a.batch_size)
         dense_top = top1_along(models.dense, ids, dense_cont, a.batch_size)
     res["teacher_forced"] = teacher_forced_summary(dense_cont, wide_top, dense_top, a.agree_at)
+    res["capacity_along_dense_answers"] = capacity
     for r, p, dc, wc, wt, dt in zip(res["per_prompt"], rows, dense_cont, wide_cont, wide_top, dense_top):
         r.update({"tf_first_match": bool(dc) and wt[0][0] == dc[0],
                   "dense_first_margin": dt[0][1] - dt[0][2] if dt else None,
@@ -137,9 +139,13 @@ def summary_line(metric: str, r: dict) -> str:
                     if "wide_repeating" in r else "")
         tf_part = (f"; teacher-forced along dense's answer: top-1 {_f(tf.get('top1_agreement'), '.1%')}, first token "
                    f"{_f((tf.get('first_token') or {}).get('agreement'), '.0%')}" if tf else "")
+        cap = r.get("capacity_along_dense_answers") or {}
+        cap_part = (f"; routers' capacity along dense's answers {_f(cap['answer']['overall'], '.3f')} (prompts "
+                    f"{_f(cap['prompt']['overall'], '.3f')})" if "answer" in cap and "prompt" in cap else "")
         return (f"generation: {r['prompts']} prompts, mean agreement {_f(r['mean_agreement'], '.1f')} tokens, "
                 f"{_f(r['frac_agree_at'], '.0%')} agree >= {r['agree_at']}; dense NLL of WIDE's text "
-                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})" + rep_part + tf_part)
+                f"{_f(r['dense_nll_of_wide'])} (of its own {_f(r['dense_nll_of_dense'])})" + rep_part + tf_part
+                + cap_part)
     acc = r["acc"]
     parts = [f"{t} {_f(v['retention_above_chance'], '.2f')}" + ("" if v["informative"] else " (uninformative)")
              for t, v in acc["tasks"].items()]
