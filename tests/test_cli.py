@@ -233,6 +233,9 @@ def test_demo_on_cpu_plain_output(monkeypatch, capsys):
     gen = out.split("generation (each token followed by [share of the layer stack used to produce it]):\n")[1]
     shares = [float(x) for x in __import__("re").findall(r"\[(\d\.\d\d)\]", gen.splitlines()[0])]
     assert shares and all(0.0 <= s <= 1.0 for s in shares)
+    # the capacity while generating is the mean of the generated tokens' shares (printed rounded to 0.01)
+    spent = __import__("re").search(r"measured capacity: (\d\.\d+) while generating", out)
+    assert spent and abs(float(spent.group(1)) - sum(shares) / len(shares)) <= 0.0051
     assert "no timing on the CPU" in out and "faster" not in out.split("no timing on the CPU")[0]
     assert "ms" not in out
 

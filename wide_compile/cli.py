@@ -234,7 +234,8 @@ def cmd_demo(args) -> int:
     costs = per_token_capacity(routers, rec).cpu()[n_prompt - 1: n_prompt - 1 + len(new)].tolist()
     print_generation(con, token_pieces(tok, new, costs))
     cap = wc.measure_capacity(model, out)
-    con.print(f"\nmeasured capacity on prompt+generation: overall {cap['overall']:.3f} "
+    answer = f"{sum(costs) / len(costs):.3f} while generating (the positions that produced the answer); " if costs else ""
+    con.print(f"\nmeasured capacity: {answer}on prompt+generation overall {cap['overall']:.3f} "
               f"(attention {cap['attn']:.3f}, FFN {cap['ffn']:.3f}; routers {cap['router_flops_fraction']:.4f})")
     dense_text = tok.decode(dense_out[0, n_prompt:], skip_special_tokens=True)
     con.print(f"dense model for comparison: {dense_text!r}")
