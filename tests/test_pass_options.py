@@ -73,6 +73,15 @@ def test_backend_and_optimize_take_the_options():
                 if v and k.startswith(("split_routers.", "sum_routers.", "fuse_router_gemm."))}
 
     assert routing_counts().get("sum_routers.summed", 0) > 0
+    seen = []
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=wide_backend, options={"inductor": False, "report": seen.append,
+                                                             "fuse_router_gemm": False, "fuse_norm_router": True})
+    with torch.no_grad():
+        fn(torch.randint(0, 100, (1, 9)))
+    assert seen[0].passes == [p.name for p in default_passes(fuse_router_gemm=False, fuse_norm_router=True)]
+    assert "fuse_norm_router" in seen[0].passes and "fuse_router_gemm" not in seen[0].passes
+    assert "  passes: detect_mlp, detect_attention, insert_routers" in str(seen[0])
     assert routing_counts(fuse_router_gemm=False, split_routers=0, sum_routers=False) == {}
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="fuse_norm_router must be"):

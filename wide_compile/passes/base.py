@@ -137,6 +137,7 @@ class GraphReport:
     # every rewritten projection runs its dense-masked path at every token count this graph takes: the routed
     # graph does the dense model's work plus the routers' and cannot be faster than dense (cost_model)
     dense_everywhere: bool = False
+    passes: list = field(default_factory=list)  # the passes that ran, in order (their names)
 
     def layers(self) -> list[dict]:
         n = max([d["layer"] for d in self.mlp + self.attn] + [-1]) + 1
@@ -150,6 +151,8 @@ class GraphReport:
     def __str__(self) -> str:
         lines = [f"WIDE graph ({self.form}): {self.nodes_before} -> {self.nodes_after} nodes, "
                  f"{len(self.mlp)} gated MLP(s), {len(self.attn)} attention block(s)"]
+        if self.passes:
+            lines.append("  passes: " + ", ".join(self.passes))
         for r in self.layers():
             a, m = r["attn"], r["mlp"]
             sa = "-" if a is None else f"{a['status']}" + (f" [{a['detail']}]" if a.get("detail") else "")

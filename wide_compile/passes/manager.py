@@ -71,6 +71,7 @@ class PassManager:
         ctx = PassContext(gm, example_inputs, routers=routers, strict=strict, geometry=geometry,
                           kernel_tuning=kernel_tuning, kernel_path=kernel_path, mask_stats=mask_stats)
         ctx.report.nodes_before = len(gm.graph.nodes)
+        ctx.report.passes = [p.name for p in self.passes]
         ctx.report.ops_before = op_counts(gm)
         for p in self.passes:
             p(ctx)
