@@ -266,8 +266,9 @@ def test_generation_record_has_teacher_forced_agreement(tmp_path):
 
 
 def test_capacity_along_matches_each_sequence_measured_alone():
-    """capacity_along (batched, right-padded) equals the token-weighted capacity of each prompt + answer measured
-    alone with measure_capacity: the prompt's positions, and the positions that predict the answer's tokens."""
+    """capacity_along, on the masks of a batched, right-padded teacher-forced pass, equals the token-weighted capacity
+    of each prompt + answer measured alone: the prompt's positions, and the positions that predict the answer's
+    tokens."""
     from wide_compile.eval.generation import capacity_along
     from wide_compile.routing import record_masks
     from wide_compile.routing.measure import capacity_from_record
@@ -279,7 +280,9 @@ def test_capacity_along_matches_each_sequence_measured_alone():
     routers = wc.Routers.init(model, wc.WideConfig(ffn_group_size=32, router_init="random"), seed=3)
     wc.attach(model, routers)
     try:
-        got = capacity_along(model, prompts, conts, batch_size=2)
+        with record_masks(model) as rec:
+            top1_along(model, prompts, conts, batch_size=2)  # the teacher-forced pass the metric records
+        got = capacity_along(routers, rec, prompts, conts, batch_size=2)
         want = {"prompt": [], "answer": []}
         for p, c in zip(prompts, conts):
             with torch.no_grad(), record_masks(model) as rec:

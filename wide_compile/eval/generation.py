@@ -130,20 +130,16 @@ def top1_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]],
     return out
 
 
-@torch.no_grad()
-def capacity_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]], batch_size: int = 32) -> dict:
+def capacity_along(routers, rec: dict, prompt_ids: list[list[int]], cont_ids: list[list[int]],
+                   batch_size: int = 32) -> dict:
     """The routers' FLOP capacity (overall / attn / ffn) on the prompts' positions and on the positions that predict
-    the continuation's tokens (prompt's last .. continuation's second to last), teacher-forced as _teacher_forced
-    runs them (right padding excluded): what the routers spend while they write the answer, which a calibration on
-    other text does not fix."""
-    from ..routing import record_masks
-    from ..routing.attach import _require
+    the continuation's tokens (prompt's last .. continuation's second to last), from `rec`, the masks
+    (routing.record_masks) of one teacher-forced pass as _teacher_forced runs it at `batch_size` (top1_along or
+    continuation_nll), right padding excluded: what the routers spend while they write the answer, which a
+    calibration on other text does not fix."""
     from ..routing.measure import capacity_from_record
 
     weights: dict[str, list] = {"prompt": [], "answer": []}
-    with record_masks(model) as rec:
-        for _ in _teacher_forced(model, prompt_ids, cont_ids, batch_size):
-            pass
     seqs = [(len(p), len(c)) for p, c in zip(prompt_ids, cont_ids)]
     for k in range(0, len(seqs), batch_size):  # the batches _teacher_forced ran, in its order
         grp = seqs[k:k + batch_size]
@@ -154,7 +150,6 @@ def capacity_along(model, prompt_ids: list[list[int]], cont_ids: list[list[int]]
             w["answer"][r, p - 1:p - 1 + n] = 1
         for name in weights:
             weights[name].append(w[name].reshape(-1))
-    routers = _require(model).routers
     out = {}
     for name, ws in weights.items():
         weight = torch.cat(ws)

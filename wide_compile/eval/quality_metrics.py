@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..routing.attach import routed
+from ..routing.attach import record_masks, routed
 
 
 def dense_cache_path(a, models, settings: dict) -> Path | None:
@@ -77,8 +77,9 @@ def run_generation(models, a, root):
         dense_cont = greedy_continuations(models.dense, ids, **kw)
     with routed(models.wide, models.routers):
         wide_cont = greedy_continuations(models.wide, ids, **kw)
-        wide_top = top1_along(models.wide, ids, dense_cont, a.batch_size)  # teacher-forced along dense's answer
-        capacity = capacity_along(models.wide, ids, dense_cont, a.batch_size)
+        with record_masks(models.wide) as rec:  # teacher-forced along dense's answer
+            wide_top = top1_along(models.wide, ids, dense_cont, a.batch_size)
+        capacity = capacity_along(models.routers, rec, ids, dense_cont, a.batch_size)
     with routed(models.dense, None):
         res = agreement_summary(ids, dense_cont, wide_cont, models.dense, a.max_new_tokens, a.agree_at,
                                 a.batch_size)
