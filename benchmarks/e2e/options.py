@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from wide_compile.helpfmt import HelpFormatter
+from wide_compile.passes.options import PassOptions
 
 from .attention import ATTENTIONS
 from .variants import OPT_IN, VARIANTS
@@ -24,6 +25,7 @@ PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
 KERNEL_CONFIG_PHASES = ("decode", "prefill")
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+PASS_DEFAULTS = PassOptions()
 
 # the full table; --quick and --smoke replace the ones they set
 DEFAULTS = {"prefill_tokens": [512, 2048, 8192], "prefill_batch": [1, 4], "decode_ctx": [1024, 4096],
@@ -83,16 +85,18 @@ class BenchOptions:
     correlated_capacities: list[float] | None = None
     kernel_config: str | None = None
     attention: str = "sdpa"
-    sparse_attention: bool | str = "auto"
+    # which optional passes the WIDE variants run (wide_compile.passes.PassOptions: its defaults, so a run without
+    # flags times optimize's defaults; the records store them per row); the order is the parser's
+    sparse_attention: bool | str = PASS_DEFAULTS.sparse_attention
     kernel_path: str = "auto"
-    fuse_norm_router: bool | str = False
-    sum_routers: bool = True
-    fuse_qkv: bool = True
-    compose_routers: bool = True
-    split_routers: bool = True
-    fuse_router_select: bool = False
-    fuse_gate_up: bool = False
-    fuse_router_gemm: bool = True
+    fuse_norm_router: bool | str = PASS_DEFAULTS.fuse_norm_router
+    sum_routers: bool = PASS_DEFAULTS.sum_routers
+    fuse_qkv: bool = PASS_DEFAULTS.fuse_qkv
+    compose_routers: bool = PASS_DEFAULTS.compose_routers
+    split_routers: bool = PASS_DEFAULTS.split_routers
+    fuse_router_select: bool = PASS_DEFAULTS.fuse_router_select
+    fuse_gate_up: bool = PASS_DEFAULTS.fuse_gate_up
+    fuse_router_gemm: bool = PASS_DEFAULTS.fuse_router_gemm
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
