@@ -110,6 +110,16 @@ def recorded_inputs(rec: dict, layer: int, T: int, G: int, device) -> dict:
     return dict(recorded=protos.to(device), recorded_bucket=bucket.to(device, torch.int32), recorded_window=m)
 
 
+def masks_structure(path):
+    """The structure of the routers a --masks recording came from: None without --masks, or for a recording made
+    before record_router_masks wrote it down."""
+    if not path:
+        return None
+    from benchmarks.record_router_masks import load_masks
+
+    return load_masks(path)["meta"].get("structure")
+
+
 def dense_mlp(x, wg, wu, wd):
     import torch.nn.functional as F
 
@@ -323,6 +333,9 @@ def main(argv=None) -> dict:
     info = dict(device="cpu (dry run, Triton interpreter)" if args.dry_run else torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
                 mask_draw=args.mask_draw,
+                args=dict(capacity=args.capacity, prototypes=args.prototypes, ts=args.ts, masks=args.masks,
+                          masks_layer=args.masks_layer),
+                masks_structure=masks_structure(args.masks),
                 command="python " + " ".join(sys.argv if argv is None else [__file__] + list(argv)),
                 timing=("wall time of eager calls (dry run)" if args.dry_run else
                         f"CUDA graph replay of one call, CUDA events per replay, variants interleaved for "

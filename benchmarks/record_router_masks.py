@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Record the masks the shipped SmolLM2 routers emit on real text, for the kernel benchmark's "trained" masks.
 
-    python benchmarks/record_router_masks.py [--routers smollm2-135m-c50] [--tokens 8192] [--window 2048]
-        [--data ../shared/data] [--out benchmarks/data/smollm2-c50-router-masks.safetensors]
+    python benchmarks/record_router_masks.py [--routers smollm2-135m-c50] [--lora FILE | none] [--tokens 8192]
+        [--window 2048] [--data ../shared/data] [--out benchmarks/data/smollm2-c50-router-masks.safetensors]
     python benchmarks/record_router_masks.py --report    # tile union densities of the recorded masks
 
-SmolLM2-135M-Instruct (fp32, CPU is fine) with the routers attached reads the first `--tokens` tokens of
+SmolLM2-135M-Instruct (fp32, CPU is fine) with the routers' stage-2 LoRA merged (a shipped name's own LoRA
+unless --lora says otherwise: the routers were trained to read that model) and the routers attached reads the first `--tokens` tokens of
 the WikiText-2 test text in windows of `--window`; for every layer the attention mask [T, 9 head groups]
 and the FFN mask [T, 24 channel groups] are stored bit-packed along the token axis (np.packbits), with the
 per-layer on-rates, the command and the date in the metadata. `bench_kernels.py --masks trained` times the
@@ -112,14 +113,43 @@ def union_report(rec: dict, densities=(0.25, 0.5, 0.75), tiles=(4, 16, 128), reo
     return rows
 
 
+def pick_layer(ffn: list, layer: str) -> int:
+    """The model layer `--layer` names: an index, or 'auto' (the FFN on-rate closest to the mean over layers)."""
+    rates = [m.float().mean().item() for m in ffn]
+    if layer == "auto":
+        mean = sum(rates) / len(rates)
+        return min(range(len(rates)), key=lambda i: abs(rates[i] - mean))
+    if not layer.lstrip("-").isdigit() or not 0 <= int(layer) < len(rates):
+        raise SystemExit(f"record_router_masks --layer {layer}: expected 'auto' or a layer index 0..{len(rates) - 1}")
+    return int(layer)
+
+
+def lora_for(routers: str, lora: str | None) -> Path | None:
+    """The LoRA to merge: `lora` as given ('none': no LoRA), else the shipped LoRA of a shipped router name."""
+    from wide_compile import pretrained
+
+    if lora is not None:
+        if lora == "none":
+            return None
+        if not Path(lora).is_file():
+            raise SystemExit(f"record_router_masks --lora {lora}: no such file (or 'none' for no LoRA)")
+        return Path(lora)
+    return None if Path(routers).is_file() else pretrained.lora_path(routers)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routers", default="smollm2-135m-c50", help="shipped routers' name, or a router file")
+    ap.add_argument("--lora", default=None,
+                    help="stage-2 LoRA merged before recording; default: a shipped name's own; 'none': no LoRA")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--data", default=None, help="../shared/data (its wikitext-2/wiki.test.raw)")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--layer", default=None,
+                    help="keep one layer only (a file of ~35 KB instead of ~1 MB): its index, or 'auto', the layer "
+                         "whose FFN on-rate is closest to the mean over layers; the metadata names it")
     ap.add_argument("--report", action="store_true", help="print the tile union densities of --out and exit")
     a = ap.parse_args(argv)
     if a.report:
@@ -138,7 +168,12 @@ def main(argv=None):
     data = Path(a.data) if a.data else default_data_root()
     if data is None or not (data / "wikitext-2" / "wiki.test.raw").is_file():
         raise SystemExit("record_router_masks: needs --data with wikitext-2/wiki.test.raw (../shared/data)")
+    lora = lora_for(a.routers, a.lora)
     model, tok = load_smollm2(dtype=torch.float32, device="cpu", gguf_path=a.gguf)
+    if lora is not None:
+        from wide_compile.training.stage2 import load_lora_merged
+
+        model = load_lora_merged(model, lora)
     routers = (wc.Routers.load(a.routers, model) if Path(a.routers).is_file()  # a router file, any structure
                else wc.Routers.pretrained(a.routers, model))
     ids = tok((data / "wikitext-2" / "wiki.test.raw").read_text(), return_tensors="pt").input_ids[0]
@@ -151,10 +186,15 @@ def main(argv=None):
             model(ids[s: s + a.window][None])
     masks = {k: [torch.cat([m.reshape(-1, m.shape[-1]) for m in rec[k][i]]).bool() for i in range(len(rec[k]))]
              for k in ("attn", "ffn")}
+    layers = list(range(len(masks["ffn"])))
+    if a.layer is not None:
+        layers = [pick_layer(masks["ffn"], a.layer)]
+        masks = {k: [v[layers[0]]] for k, v in masks.items()}
     L = len(masks["ffn"])
-    meta = {"routers": a.routers, "tokens": a.tokens, "window": a.window, "layers": L,
+    meta = {"routers": a.routers, "structure": routers.cfg.structure, "lora": str(lora) if lora is not None else "none", "tokens": a.tokens, "window": a.window, "layers": L,
             "text": "wikitext-2/wiki.test.raw, first tokens", "groups": {k: masks[k][0].shape[1] for k in masks},
             "on_rate": {k: [round(m.float().mean().item(), 4) for m in masks[k]] for k in masks},
+            "model_layers": layers,
             "command": "python benchmarks/record_router_masks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
     tensors = {f"{k}.{i}": pack(masks[k][i]) for k in masks for i in range(L)}

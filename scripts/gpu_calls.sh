@@ -88,9 +88,15 @@
 #                          random codebook-16 routers) with the shipped tuning; with DECODE_FREE_GEMV=1 again with the
 #                          free op's one-token GEMVs (--kernel-config one_token=gemv; the bucketed op runs them by
 #                          default)
-#   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacity 0.5,
+#   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacities ST_CAPS (0.5),
 #                          prefill 2048 / 8192 x 1, decode ctx 1024 x 1 / x 8, free random masks against random
-#                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops
+#                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops; ST_NAME a
+#                          suffix to its files
+#   structure_mlp          issue 24's MLP-block columns: benchmarks/bench_bucket_mlp.py at T = 1, 16, 2048, 8192 on each
+#                          committed recording of a converted set (benchmarks/data/structures/cNN-<structure><size>,
+#                          STRUCT_MASKS to pick), at its capacity and size, into $OUT/structure-mlp/<name>/; then
+#                          benchmarks/structure_table.py joins them with the quality records (ST_CAPS="0.5 0.7"
+#                          ST_MASKS="codebook16 codebook64 nested8" e2e_structured gives its end-to-end columns)
 #   convert_ft             needs setup + tokens: codebook routers converted from the shipped free c50 set and the free
 #                          set itself, each through stage 2 (routers jointly) from its LoRA, then scored
 #                          (CONVERT_RUNS, CONVERT_S2_ARGS)
@@ -454,9 +460,20 @@ step() {
       --name e2e-h200-decode-gemv ;;
   e2e_structured)
     e2e e2e-structured "${E2E_TIMEOUT:-560}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases prefill decode \
-      --prefill-tokens 2048 8192 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 8 --capacities 0.5 \
+      --prefill-tokens 2048 8192 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 8 --capacities ${ST_CAPS:-0.5} \
       --masks random ${ST_MASKS:-codebook16 codebook64} --variants inductor inductor_cg static wide "${SHORT[@]}" \
-      --no-plot --name e2e-h200-structured ;;
+      --no-plot --name e2e-h200-structured${ST_NAME:-} ;;
+  structure_mlp)  # one bench_bucket_mlp run per committed recording (benchmarks/data/structures/cNN-STRUCTUREsize)
+    for f in ${STRUCT_MASKS:-benchmarks/data/structures/*.safetensors}; do
+      n=$(basename "$f" .safetensors)                          # c50-codebook64
+      cap=$(echo "$n" | sed -E 's/^c([0-9]+)-.*/0.\1/')          # 0.50
+      size=$(echo "$n" | sed -E 's/.*[a-z]([0-9]+)$/\1/')        # 64
+      mkdir -p "$OUT/structure-mlp/$n"
+      timeout "${STRUCT_TIMEOUT:-150}" python3 benchmarks/bench_bucket_mlp.py --capacity "$cap" --prototypes "$size" \
+        --masks "$f" --ts 1 16 2048 8192 --rounds 3 --target-s 0.3 --out "$OUT/structure-mlp/$n" \
+        > "$OUT/structure-mlp/$n/bench.log" 2>&1
+      echo "$n: $(tail -1 "$OUT/structure-mlp/$n/bench.log")"
+    done ;;
   e2e_attention)  # first the ops under torch.compile alone (a kernel that Inductor cannot compile fails here, fast)
     TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k torch_compile \
       tests/test_kernel_attn_prefill.py tests/test_kernel_attn_decode.py 2>&1 | tail -4

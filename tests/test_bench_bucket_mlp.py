@@ -83,6 +83,8 @@ def test_masks_rows_time_the_recorded_buckets(tmp_path, warmup_timing):
 
     data = bench_bucket_mlp.main(["--dry-run", "--ts", "16", "32", "--masks", str(MASKS), "--out", str(tmp_path)])
     rows = {(r["T"], r["variant"]): r for r in data["rows"]}
+    assert data["args"]["capacity"] == 0.5 and data["args"]["masks"] == str(MASKS)
+    assert data["masks_structure"] is None  # recorded before record_router_masks wrote the structure down
     assert not any(T == 16 and v in RECORDED for T, v in rows)           # decode-phase T: no recorded rows
     ffn = load_masks(MASKS)["ffn"]
     layer = len(ffn) // 2

@@ -467,8 +467,8 @@ def test_bad_options_give_one_clear_error(argv, words, capsys):
 
 
 def test_gpu_calls_use_existing_options():
-    """scripts/gpu_calls.sh's steps call bench_e2e.py, bench_kernels.py and check_compiled_gpu.py only with
-    options those scripts have (a renamed option would fail on the GPU machine, where a call is expensive)."""
+    """scripts/gpu_calls.sh's steps call bench_e2e.py, bench_kernels.py, check_compiled_gpu.py and bench_bucket_mlp.py
+    only with options those scripts have (a renamed option would fail on the GPU machine, where a call is expensive)."""
     import re
 
     from e2e.options import build_parser
@@ -478,7 +478,8 @@ def test_gpu_calls_use_existing_options():
     steps = re.split(r"\n  (?=[a-z0-9_|]+\)\s)", body)
     e2e_flags = {s for a in build_parser()._actions for s in a.option_strings}
     scripts = {"bench_kernels.py": ROOT / "benchmarks" / "bench_kernels.py",
-               "check_compiled_gpu.py": ROOT / "benchmarks" / "check_compiled_gpu.py"}
+               "check_compiled_gpu.py": ROOT / "benchmarks" / "check_compiled_gpu.py",
+               "bench_bucket_mlp.py": ROOT / "benchmarks" / "bench_bucket_mlp.py"}
     seen_e2e = 0
     for st in steps:
         code = "\n".join(line.split("#")[0] for line in st.splitlines())

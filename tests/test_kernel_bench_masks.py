@@ -52,6 +52,33 @@ def test_recorded_router_masks_round_trip(tmp_path):
     assert torch.equal(unpack(p, 37), m)
 
 
+def test_recording_merges_the_routers_own_lora(tmp_path):
+    """A shipped name records through its own stage-2 LoRA (the model its routers were trained to read); a file
+    has none unless given; 'none' turns it off; a missing file is an error, not a silent no-LoRA recording."""
+    from benchmarks.record_router_masks import lora_for
+    from wide_compile import pretrained
+
+    assert lora_for("smollm2-135m-c50", None) == pretrained.lora_path("smollm2-135m-c50") is not None
+    assert lora_for("smollm2-135m-c50", "none") is None
+    f = tmp_path / "r.safetensors"
+    f.write_bytes(b"")
+    assert lora_for(str(f), None) is None
+    assert lora_for("smollm2-135m-c50", str(f)) == f
+    with pytest.raises(SystemExit, match="no such file"):
+        lora_for("smollm2-135m-c50", str(tmp_path / "missing.safetensors"))
+
+
+def test_one_layer_recording_picks_the_layer_nearest_the_mean_rate():
+    from benchmarks.record_router_masks import pick_layer
+
+    ffn = [torch.zeros(8, 4, dtype=torch.bool), torch.ones(8, 4, dtype=torch.bool), torch.eye(8, 4, dtype=torch.bool)]
+    ffn[2][:, :2] = True  # rates 0, 1, 0.5: the mean 0.5 is layer 2's
+    assert pick_layer(ffn, "auto") == 2 and pick_layer(ffn, "1") == 1
+    for bad in ("3", "-1", "mid"):
+        with pytest.raises(SystemExit, match="--layer"):
+            pick_layer(ffn, bad)
+
+
 def test_trained_masks_come_from_the_recorded_file(bench):
     from benchmarks.record_router_masks import DEFAULT_OUT, load_masks
 
