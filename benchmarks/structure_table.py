@@ -15,7 +15,9 @@ Speed, on the Llama-3.1-8B shape, read from the records given (rows without one 
               free masks: variant `free`; codebook: `bucket_codebook` (random prototypes) at T <= 16 and the
               trained routers' recorded buckets (`bucket_recorded_unionblocks`, the op's default above 16 tokens)
               where the record has them, else `bucket_codebook`; nested: `bucket_nested` at T <= 16, the
-              recorded buckets above (a nested set's recorded masks are its width prefixes).
+              recorded buckets above (a nested set's recorded masks are its width prefixes). Recorded rows count
+              only when the record names the recording's structure; a record from before bench_bucket_mlp wrote
+              its arguments is read through its command line.
   --e2e FILE  `benchmarks/bench_e2e.py` records: a row's end-to-end speedup over dense Inductor per workload from
               the records with its capacity and masks (`random` for free masks, `codebook<P>`, `nested<L>`).
 Writes `<out>/structure-table.md` and `.json` (default out: the quality folder) and prints the table.
@@ -27,6 +29,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_bucket_mlp, when run as a script
 
 MLP_TS = (1, 16, 2048, 8192)
 E2E_WORKLOADS = (("prefill", 2048, 1), ("prefill", 8192, 1), ("decode", 1024, 1), ("decode", 1024, 8))
@@ -103,15 +107,27 @@ def e2e_speed(records: list[dict], row: dict) -> dict:
     return out
 
 
+def command_args(rec: dict, where) -> dict:
+    """capacity and prototypes of a bench_bucket_mlp record from its command line, with the script's defaults."""
+    import shlex
+
+    import bench_bucket_mlp
+
+    argv = shlex.split(rec.get("command", ""))
+    if len(argv) < 2 or not argv[1].endswith("bench_bucket_mlp.py"):
+        raise SystemExit(f"structure_table --mlp {where}: the record names no bench_bucket_mlp.py command; re-run it")
+    a = bench_bucket_mlp.parse_args(argv[2:])
+    return dict(capacity=a.capacity, prototypes=a.prototypes, ts=a.ts, masks=a.masks, masks_layer=a.masks_layer)
+
+
 def load_mlp(folders: list[Path]) -> list[dict]:
     recs = []
     for f in folders:
         rec = _load(f / "bucket-mlp.json")
         if rec is None:
             raise SystemExit(f"structure_table --mlp {f}: no bucket-mlp.json there")
-        if "args" not in rec:
-            raise SystemExit(f"structure_table --mlp {f}: the record predates bench_bucket_mlp's `args` field; "
-                             "re-run it")
+        if "args" not in rec:  # records before bench_bucket_mlp wrote its args: its own parser reads the command
+            rec["args"] = command_args(rec, f)
         recs.append(rec)
     return recs
 

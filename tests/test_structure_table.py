@@ -93,13 +93,28 @@ def test_bad_inputs_say_what_to_do(study, tmp_path):
         ST.build(study, [tmp_path / "missing"], [])
     old = tmp_path / "old"
     old.mkdir()
-    (old / "bucket-mlp.json").write_text(json.dumps(dict(rows=[])))
+    (old / "bucket-mlp.json").write_text(json.dumps(dict(rows=[], command="python other.py --x 1")))
     with pytest.raises(SystemExit, match="re-run it"):
         ST.build(study, [old], [])
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit, match="no <c NN>/<set>/ppl.json"):
         ST.build(empty, [], [])
+
+
+def test_a_record_without_args_is_read_through_its_command(study, tmp_path):
+    import structure_table as ST
+
+    d = tmp_path / "old"
+    d.mkdir()
+    rows = [dict(variant="free", T=2048, speedup_vs_dense=1.2), dict(variant="bucket_codebook", T=2048,
+                                                                      speedup_vs_dense=1.1)]
+    for cmd, free_seen in (("python benchmarks/bench_bucket_mlp.py --out /x --prototypes 64", True),
+                           ("python benchmarks/bench_bucket_mlp.py --out /x --capacity 0.7", False)):
+        (d / "bucket-mlp.json").write_text(json.dumps(dict(rows=rows, device="GPU Y", command=cmd)))
+        got = {r["set"]: r["mlp"] for r in ST.build(study, [d], []) if r["capacity"] == 0.5}
+        assert (got["free"] == {2048: (1.2, "free", "GPU Y")}) is free_seen     # defaults: capacity 0.5, P = 16
+        assert (got["codebook64"] == {2048: (1.1, "bucket_codebook", "GPU Y")}) is free_seen
 
 
 def test_main_writes_the_table(study, tmp_path, capsys):
