@@ -5,7 +5,8 @@
 
 Quality (`--quality`): one folder per capacity, `c50/`, `c70/`, ..., each with one folder per router set: `free/`
 (the shipped set) and `codebook<P>/` / `nested<L>/` (converted from it by `wide train convert`), each holding the
-`wide eval quality` records `ppl.json` and `generation.json` (and `convert.json` for a converted set). Quality is
+`wide eval quality` records `ppl.json` and `generation.json` (and `convert.json` for a converted set), or a
+`records.json` naming committed records of the same measurement elsewhere in the repository. Quality is
 SmolLM2-135M's: WikiText-2 test ppl ratio to dense, the measured FLOP capacity, generation agreement with dense.
 
 Speed, on the Llama-3.1-8B shape, read from the records given (rows without one say "not timed"):
@@ -30,7 +31,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_bucket_mlp, when run as a script
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_bucket_mlp, when run as a script
 
 MLP_TS = (1, 16, 2048, 8192)
 E2E_WORKLOADS = (("prefill", 2048, 1), ("prefill", 8192, 1), ("decode", 1024, 1), ("decode", 1024, 8))
@@ -42,6 +44,22 @@ def _load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def record_files(d: Path) -> dict:
+    """{"ppl": path, "generation": path} of a set's folder: its own records, or the committed records its
+    `records.json` names ({"ppl": ..., "generation": ...}, paths from the repository root), so a set already
+    scored elsewhere is not scored twice."""
+    files = {k: d / f"{k}.json" for k in ("ppl", "generation")}
+    links = _load(d / "records.json")
+    for k, rel in (links or {}).items():
+        if k not in files:
+            raise SystemExit(f"structure_table: {d / 'records.json'} names {k!r}; expected ppl and generation")
+        p = ROOT / rel
+        if not p.is_file():
+            raise SystemExit(f"structure_table: {d / 'records.json'}: {rel} is not a file")
+        files[k] = p
+    return files
+
+
 def quality_rows(root: Path) -> list[dict]:
     """One row per `<root>/c<NN>/<set>/` with a `ppl.json`, free first within each capacity."""
     rows = []
@@ -50,13 +68,15 @@ def quality_rows(root: Path) -> list[dict]:
             m = SET_NAME.fullmatch(d.name)
             if not m:
                 continue
-            ppl = _load(d / "ppl.json")
+            files = record_files(d)
+            ppl = _load(files["ppl"])
             if ppl is None:
                 continue
             rows.append(dict(capacity=int(CAP_NAME.fullmatch(cap_dir.name)[1]) / 100, set=d.name,
                              structure="free" if m[1] else m[2], size=None if m[1] else int(m[3]),
-                             folder=str(d), ppl=ppl, generation=_load(d / "generation.json"),
-                             convert=_load(d / "convert.json")))
+                             folder=str(d), ppl=ppl, generation=_load(files["generation"]),
+                             convert=_load(d / "convert.json"),
+                             sources={k: str(v) for k, v in files.items() if v.is_file()}))
     if not rows:
         raise SystemExit(f"structure_table: no <c NN>/<set>/ppl.json under {root}")
     return sorted(rows, key=lambda r: (r["capacity"], r["structure"] != "free", r["structure"], r["size"] or 0))
@@ -202,7 +222,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows)
     (out / "structure-table.md").write_text(md)
-    keep = ("capacity", "set", "structure", "size", "folder", "ppl_ratio", "relative_to_free", "measured_capacity",
+    keep = ("capacity", "set", "structure", "size", "folder", "sources", "ppl_ratio", "relative_to_free", "measured_capacity",
             "test_tokens", "agreement")
     (out / "structure-table.json").write_text(json.dumps(
         dict(command="python benchmarks/structure_table.py " + " ".join(sys.argv[1:] if argv is None else argv),

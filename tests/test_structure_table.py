@@ -117,6 +117,28 @@ def test_a_record_without_args_is_read_through_its_command(study, tmp_path):
         assert (got["codebook64"] == {2048: (1.1, "bucket_codebook", "GPU Y")}) is free_seen
 
 
+def test_a_set_scored_elsewhere_is_read_through_records_json(study, tmp_path):
+    import structure_table as ST
+
+    elsewhere = tmp_path / "elsewhere"
+    _quality(elsewhere, "cX", "free", 1.5, agree=4.0)
+    d = study / "c70" / "free"
+    for f in d.iterdir():
+        f.unlink()
+    rel = lambda p: str(p.relative_to(ST.ROOT)) if p.is_relative_to(ST.ROOT) else str(p)  # noqa: E731
+    (d / "records.json").write_text(json.dumps(dict(ppl=rel(elsewhere / "cX" / "free" / "ppl.json"),
+                                                    generation=rel(elsewhere / "cX" / "free" / "generation.json"))))
+    row = [r for r in ST.build(study, [], []) if r["capacity"] == 0.7][0]
+    assert row["ppl_ratio"] == 1.5 and row["agreement"]["mean"] == 4.0
+    assert row["sources"]["ppl"].endswith("cX/free/ppl.json")
+    (d / "records.json").write_text(json.dumps(dict(ppl="no/such/file.json")))
+    with pytest.raises(SystemExit, match="is not a file"):
+        ST.build(study, [], [])
+    (d / "records.json").write_text(json.dumps(dict(positions="x")))
+    with pytest.raises(SystemExit, match="expected ppl and generation"):
+        ST.build(study, [], [])
+
+
 def test_main_writes_the_table(study, tmp_path, capsys):
     import structure_table as ST
 
