@@ -12,7 +12,7 @@ Variants, per token count T, all from one interleaved run:
                    bernoulli: iid Bernoulli(capacity) per (token, group))
   bucket_codebook  torch.ops.wide.mlp_bucket, P prototypes each such a random subset, each token's
                    prototype uniform at random
-  bucket_nested    the same with P prefix prototypes (widths (l + 1/2) G / P, l = 0..P-1: mean width G/2)
+  bucket_nested    the same with P prefix prototypes (evenly spaced widths, mean width capacity * G: nested_protos)
   (T = 1 runs on gemv's two GEMVs, 2 <= T <= 16 as one block over the union of the tokens' prototypes; see
   bucket_mlp's docstring.)
   At 2 <= T <= 16 also bucket_codebook_dense (few_tokens="dense": dense GEMMs with the masks applied), above 16
@@ -52,11 +52,14 @@ TOL = 2e-2
 RECORDED_FROM_T = 17  # --masks rows only past the decode phase (tuning.DECODE_T = 16): the prefill's bucket lists
 
 
-def nested_protos(P: int, G: int):
-    """[P, G] bool prefixes of widths round((l + 1/2) G / P): mean width G / 2 over uniform levels."""
+def nested_protos(P: int, G: int, capacity: float = 0.5):
+    """[P, G] bool prefixes at P evenly spaced widths centred on capacity * G, spread as far as [0, G] allows:
+    width_l = (capacity + ((l + 1/2) / P - 1/2) * 2 min(capacity, 1 - capacity)) G, so the mean width over
+    uniform levels is capacity * G (at capacity 0.5: (l + 1/2) G / P)."""
     import torch
 
-    widths = ((torch.arange(P, dtype=torch.float64) + 0.5) * G / P).round().long()
+    span = 2 * min(capacity, 1 - capacity)
+    widths = ((capacity + ((torch.arange(P, dtype=torch.float64) + 0.5) / P - 0.5) * span) * G).round().long()
     return torch.arange(G)[None, :] < widths[:, None]
 
 
@@ -84,7 +87,7 @@ def make_inputs(T: int, shape: dict, P: int, capacity: float, dtype, device, gen
     w.update(wg_half=w["wg"][:h].contiguous(), wu_half=w["wu"][:h].contiguous(), wd_half=w["wd"][:, :h].contiguous())
     w["free_mask"] = draw_masks(T, G, capacity, mask_draw, gen).to(device)
     w["codebook"] = draw_masks(P, G, capacity, mask_draw, gen).to(device)
-    w["nested"] = nested_protos(P, G).to(device)
+    w["nested"] = nested_protos(P, G, capacity).to(device)
     w["bucket"] = torch.randint(0, P, (T,), generator=gen, dtype=torch.int32).to(device)
     return w
 

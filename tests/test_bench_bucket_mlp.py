@@ -71,6 +71,11 @@ def test_sweep_rows_and_nested_prototypes(tmp_path, warmup_timing):
     protos = bench_bucket_mlp.nested_protos(16, 224)
     assert protos.float().mean().item() == 0.5                           # mean width G / 2
     assert (protos[:, :-1] >= protos[:, 1:]).all()                       # prefixes
+    for cap in (0.3, 0.7, 0.85):                                         # mean width capacity * G, within [0, G]
+        p = bench_bucket_mlp.nested_protos(8, 224, cap)
+        widths = p.sum(1)
+        assert abs(p.float().mean().item() - cap) < 1 / 224 and (widths[1:] > widths[:-1]).all()
+        assert (p[:, :-1] >= p[:, 1:]).all() and widths.min() > 0
 
 
 MASKS = ROOT / "benchmarks" / "data" / "smollm2-cb64-router-masks.safetensors"
