@@ -95,8 +95,9 @@
 #   structure_mlp          issue 24's MLP-block columns: benchmarks/bench_bucket_mlp.py at T = 1, 16, 2048, 8192 on each
 #                          committed recording of a converted set (benchmarks/data/structures/cNN-<structure><size>,
 #                          STRUCT_MASKS to pick), at its capacity and size, into $OUT/structure-mlp/<name>/; then
-#                          benchmarks/structure_table.py joins them with the quality records (ST_CAPS="0.5 0.7"
-#                          ST_MASKS="codebook16 codebook64 nested8" e2e_structured gives its end-to-end columns)
+#                          benchmarks/structure_table.py joins them (and e2e_structured's records already in $OUT:
+#                          run ST_CAPS="0.5 0.7" ST_MASKS="codebook16 codebook64 nested8" e2e_structured first for
+#                          the end-to-end columns) with the committed quality records into $OUT/structure-table/
 #   convert_ft             needs setup + tokens: codebook routers converted from the shipped free c50 set and the free
 #                          set itself, each through stage 2 (routers jointly) from its LoRA, then scored
 #                          (CONVERT_RUNS, CONVERT_S2_ARGS)
@@ -473,7 +474,10 @@ step() {
         --masks "$f" --ts 1 16 2048 8192 --rounds 3 --target-s 0.3 --out "$OUT/structure-mlp/$n" \
         > "$OUT/structure-mlp/$n/bench.log" 2>&1
       echo "$n: $(tail -1 "$OUT/structure-mlp/$n/bench.log")"
-    done ;;
+    done
+    python3 benchmarks/structure_table.py --quality benchmarks/results/quality-smollm2/structures \
+      --mlp "$OUT"/structure-mlp/*/ --e2e $(ls "$OUT"/e2e-h200-structured*.json 2>/dev/null) \
+      --out "$OUT/structure-table" | tail -12 ;;
   e2e_attention)  # first the ops under torch.compile alone (a kernel that Inductor cannot compile fails here, fast)
     TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k torch_compile \
       tests/test_kernel_attn_prefill.py tests/test_kernel_attn_decode.py 2>&1 | tail -4

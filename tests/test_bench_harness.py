@@ -479,18 +479,22 @@ def test_gpu_calls_use_existing_options():
     e2e_flags = {s for a in build_parser()._actions for s in a.option_strings}
     scripts = {"bench_kernels.py": ROOT / "benchmarks" / "bench_kernels.py",
                "check_compiled_gpu.py": ROOT / "benchmarks" / "check_compiled_gpu.py",
-               "bench_bucket_mlp.py": ROOT / "benchmarks" / "bench_bucket_mlp.py"}
-    seen_e2e = 0
+               "bench_bucket_mlp.py": ROOT / "benchmarks" / "bench_bucket_mlp.py",
+               "structure_table.py": ROOT / "benchmarks" / "structure_table.py"}
+    known = {name: set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', path.read_text())) for name, path in scripts.items()}
+    seen_e2e = seen = 0
     for st in steps:
-        code = "\n".join(line.split("#")[0] for line in st.splitlines())
-        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code))
-        if re.search(r"^\s*e2e |bench_e2e\.py", code, re.M):
-            seen_e2e += 1
-            assert flags <= e2e_flags, (st.split(")")[0], flags - e2e_flags)
-        for name, path in scripts.items():
-            if name in code:
-                known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', path.read_text()))
-                assert flags <= known, (st.split(")")[0], name, flags - known)
+        code = "\n".join(line.split("#")[0] for line in st.splitlines()).replace("\\\n", " ")
+        for cmd in re.split(r"[\n;|]", code):  # one command line each, continuations joined
+            flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cmd))
+            if re.search(r"^\s*e2e |bench_e2e\.py", cmd):
+                seen_e2e += 1
+                assert flags <= e2e_flags, (st.split(")")[0], flags - e2e_flags)
+            for name in scripts:
+                if name in cmd:
+                    seen += 1
+                    assert flags <= known[name], (st.split(")")[0], name, flags - known[name])
+    assert seen >= 8
     assert seen_e2e >= 8
     from e2e.variants import VARIANTS
 
