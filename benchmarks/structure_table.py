@@ -44,6 +44,12 @@ def _load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _shown(p: Path) -> str:
+    """A path as the records name it: from the repository root when it lies inside it."""
+    p = p.resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def record_files(d: Path) -> dict:
     """{"ppl": path, "generation": path} of a set's folder: its own records, or the committed records its
     `records.json` names ({"ppl": ..., "generation": ...}, paths from the repository root), so a set already
@@ -76,7 +82,7 @@ def quality_rows(root: Path) -> list[dict]:
                              structure="free" if m[1] else m[2], size=None if m[1] else int(m[3]),
                              folder=str(d), ppl=ppl, generation=_load(files["generation"]),
                              convert=_load(d / "convert.json"),
-                             sources={k: str(v) for k, v in files.items() if v.is_file()}))
+                             sources={k: _shown(v) for k, v in files.items() if v.is_file()}))
     if not rows:
         raise SystemExit(f"structure_table: no <c NN>/<set>/ppl.json under {root}")
     return sorted(rows, key=lambda r: (r["capacity"], r["structure"] != "free", r["structure"], r["size"] or 0))

@@ -131,6 +131,9 @@ def test_a_set_scored_elsewhere_is_read_through_records_json(study, tmp_path):
     row = [r for r in ST.build(study, [], []) if r["capacity"] == 0.7][0]
     assert row["ppl_ratio"] == 1.5 and row["agreement"]["mean"] == 4.0
     assert row["sources"]["ppl"].endswith("cX/free/ppl.json")
+    inside = [r for r in ST.build(ST.ROOT / "benchmarks/results/quality-smollm2/structures", [], [])
+              if r["set"] == "free"][0]["sources"]
+    assert inside["generation"].startswith("benchmarks/results/") and inside["ppl"].startswith("benchmarks/")
     (d / "records.json").write_text(json.dumps(dict(ppl="no/such/file.json")))
     with pytest.raises(SystemExit, match="is not a file"):
         ST.build(study, [], [])
