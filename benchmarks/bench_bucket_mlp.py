@@ -118,9 +118,9 @@ def masks_structure(path):
     before record_router_masks wrote it down."""
     if not path:
         return None
-    from benchmarks.record_router_masks import load_masks
+    from benchmarks.record_router_masks import read_meta
 
-    return load_masks(path)["meta"].get("structure")
+    return read_meta(path).get("structure")
 
 
 def dense_mlp(x, wg, wu, wd):

@@ -38,6 +38,14 @@ def unpack(packed: torch.Tensor, T: int) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(packed.numpy(), axis=0, count=T).astype(bool))
 
 
+def read_meta(path=DEFAULT_OUT) -> dict:
+    """The metadata of a file this script wrote (routers, structure, tokens, on-rates, command), masks unread."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["wide"])
+
+
 def load_masks(path=DEFAULT_OUT) -> dict:
     """{"attn": [bool [T, G_attn] per layer], "ffn": [...], "meta": {...}} from a file this script wrote."""
     from safetensors import safe_open
@@ -124,19 +132,6 @@ def pick_layer(ffn: list, layer: str) -> int:
     return int(layer)
 
 
-def lora_for(routers: str, lora: str | None) -> Path | None:
-    """The LoRA to merge: `lora` as given ('none': no LoRA), else the shipped LoRA of a shipped router name."""
-    from wide_compile import pretrained
-
-    if lora is not None:
-        if lora == "none":
-            return None
-        if not Path(lora).is_file():
-            raise SystemExit(f"record_router_masks --lora {lora}: no such file (or 'none' for no LoRA)")
-        return Path(lora)
-    return None if Path(routers).is_file() else pretrained.lora_path(routers)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routers", default="smollm2-135m-c50", help="shipped routers' name, or a router file")
@@ -168,7 +163,9 @@ def main(argv=None):
     data = Path(a.data) if a.data else default_data_root()
     if data is None or not (data / "wikitext-2" / "wiki.test.raw").is_file():
         raise SystemExit("record_router_masks: needs --data with wikitext-2/wiki.test.raw (../shared/data)")
-    lora = lora_for(a.routers, a.lora)
+    from wide_compile.training.convert import resolve_lora
+
+    lora = resolve_lora(a.routers, a.lora)
     model, tok = load_smollm2(dtype=torch.float32, device="cpu", gguf_path=a.gguf)
     if lora is not None:
         from wide_compile.training.stage2 import load_lora_merged
@@ -191,7 +188,8 @@ def main(argv=None):
         layers = [pick_layer(masks["ffn"], a.layer)]
         masks = {k: [v[layers[0]]] for k, v in masks.items()}
     L = len(masks["ffn"])
-    meta = {"routers": a.routers, "structure": routers.cfg.structure, "lora": str(lora) if lora is not None else "none", "tokens": a.tokens, "window": a.window, "layers": L,
+    meta = {"routers": a.routers, "structure": routers.cfg.structure, "lora": str(lora) if lora is not None else "none",
+            "tokens": a.tokens, "window": a.window, "layers": L,
             "text": "wikitext-2/wiki.test.raw, first tokens", "groups": {k: masks[k][0].shape[1] for k in masks},
             "on_rate": {k: [round(m.float().mean().item(), 4) for m in masks[k]] for k in masks},
             "model_layers": layers,

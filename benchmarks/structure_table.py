@@ -96,9 +96,7 @@ def mlp_speed(records: list[dict], row: dict) -> dict:
             continue
         if row["structure"] != "free" and rec["args"]["prototypes"] != row["size"]:
             continue
-        if row["structure"] == "nested" and rec.get("masks_structure") not in (None, "nested"):
-            continue
-        if row["structure"] == "codebook" and rec.get("masks_structure") not in (None, "codebook"):
+        if row["structure"] != "free" and rec.get("masks_structure") not in (None, row["structure"]):
             continue
         by = {(r["variant"], r["T"]): r["speedup_vs_dense"] for r in rec["rows"] if "speedup_vs_dense" in r}
         for T in MLP_TS:
@@ -183,7 +181,7 @@ def build(quality: Path, mlp: list[Path], e2e: list[Path]) -> list[dict]:
         r["agreement"] = None if g is None else dict(mean=g["mean_agreement"], at=g["agree_at"],
                                                      frac_at=g["frac_agree_at"], dense_nll=g["dense_nll_of_wide"],
                                                      dense_nll_of_dense=g["dense_nll_of_dense"])
-        r["mlp"] = {T: v for T, v in mlp_speed(mrecs, r).items()}
+        r["mlp"] = mlp_speed(mrecs, r)
         r["e2e"] = e2e_speed(erecs, r)
     return rows
 
@@ -209,7 +207,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['capacity']:.2f} | {name} | {r['ppl_ratio']:.3f} | {rel} | {c['overall']:.3f} "
                      f"({c['attn']:.3f} / {c['ffn']:.3f}) | {gen} | {mlp} | {e2e} |")
     devices = sorted({v[2] for r in rows for v in list(r["mlp"].values()) + list(r["e2e"].values()) if v[2]})
-    lines += ["", f"Quality: SmolLM2-135M-Instruct, WikiText-2 test ({rows[0]['test_tokens']} tokens scored, ctx 1024 "
+    tokens = " / ".join(str(t) for t in sorted({r["test_tokens"] for r in rows}))
+    lines += ["", f"Quality: SmolLM2-135M-Instruct, WikiText-2 test ({tokens} tokens scored, ctx 1024 "
               "stride 512), generation on the committed 110 prompts; each row's folder holds its records (command, "
               "machine, date). Speed: the Llama-3.1-8B shape, over dense Inductor"
               + (f", on {', '.join(devices)}" if devices else ": not timed yet") + "; `-`: no record."]
@@ -228,8 +227,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows)
     (out / "structure-table.md").write_text(md)
-    keep = ("capacity", "set", "structure", "size", "folder", "sources", "ppl_ratio", "relative_to_free", "measured_capacity",
-            "test_tokens", "agreement")
+    keep = ("capacity", "set", "structure", "size", "folder", "sources", "ppl_ratio", "relative_to_free",
+            "measured_capacity", "test_tokens", "agreement")
     (out / "structure-table.json").write_text(json.dumps(
         dict(command="python benchmarks/structure_table.py " + " ".join(sys.argv[1:] if argv is None else argv),
              rows=[{k: r[k] for k in keep} | {"mlp": {str(t): v for t, v in r["mlp"].items()},

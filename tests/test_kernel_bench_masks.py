@@ -53,19 +53,39 @@ def test_recorded_router_masks_round_trip(tmp_path):
 
 
 def test_recording_merges_the_routers_own_lora(tmp_path):
-    """A shipped name records through its own stage-2 LoRA (the model its routers were trained to read); a file
-    has none unless given; 'none' turns it off; a missing file is an error, not a silent no-LoRA recording."""
-    from benchmarks.record_router_masks import lora_for
+    """record_router_masks resolves its LoRA as `wide train convert` does: a shipped name records through its own
+    stage-2 LoRA (the model its routers were trained to read); a file has none unless given; 'none' turns it off;
+    a missing file is an error, not a silent no-LoRA recording."""
     from wide_compile import pretrained
+    from wide_compile.training.convert import resolve_lora
 
-    assert lora_for("smollm2-135m-c50", None) == pretrained.lora_path("smollm2-135m-c50") is not None
-    assert lora_for("smollm2-135m-c50", "none") is None
+    assert "resolve_lora(a.routers, a.lora)" in (ROOT / "benchmarks" / "record_router_masks.py").read_text()
+    assert resolve_lora("smollm2-135m-c50", None) == pretrained.lora_path("smollm2-135m-c50") is not None
+    assert resolve_lora("smollm2-135m-c50", "none") is None
     f = tmp_path / "r.safetensors"
     f.write_bytes(b"")
-    assert lora_for(str(f), None) is None
-    assert lora_for("smollm2-135m-c50", str(f)) == f
+    assert resolve_lora(str(f), None) is None
+    assert resolve_lora("smollm2-135m-c50", str(f)) == f
     with pytest.raises(SystemExit, match="no such file"):
-        lora_for("smollm2-135m-c50", str(tmp_path / "missing.safetensors"))
+        resolve_lora("smollm2-135m-c50", str(tmp_path / "missing.safetensors"))
+
+
+def test_structure_recordings_say_what_they_hold():
+    """benchmarks/data/structures/cNN-<structure><size>: one layer of the converted set named, its LoRA merged."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_bucket_mlp import masks_structure
+    from record_router_masks import load_masks, read_meta
+
+    files = sorted((ROOT / "benchmarks" / "data" / "structures").glob("*.safetensors"))
+    assert len(files) == 6
+    for f in files:
+        meta = read_meta(f)
+        structure = f.stem.split("-")[1].rstrip("0123456789")
+        assert meta["structure"] == structure == masks_structure(str(f))
+        assert meta["layers"] == 1 and len(meta["model_layers"]) == 1 and meta["lora"].endswith(".lora.safetensors")
+        assert meta == load_masks(f)["meta"] and load_masks(f)["ffn"][0].shape == (meta["tokens"], 24)
 
 
 def test_one_layer_recording_picks_the_layer_nearest_the_mean_rate():

@@ -30,6 +30,18 @@ def _routers_source(name_or_path: str):
     return p, None
 
 
+def resolve_lora(routers: str, lora: str | None) -> Path | None:
+    """The LoRA to merge with `routers` (a shipped name or a file): `lora` as given ('none': no LoRA; a file must
+    exist), else a shipped name's own stage-2 LoRA (None for a router file)."""
+    if lora is None:
+        return _routers_source(routers)[1]
+    if lora == "none":
+        return None
+    if not Path(lora).is_file():
+        raise SystemExit(f"--lora {lora}: no such file (or 'none' for no LoRA)")
+    return Path(lora)
+
+
 def free_routers_on_text(routers: str, lora: str | None, n_blocks: int, seq_len: int, device, gguf, data, tokens,
                          what: str = "the blocks", text_file=None):
     """(SmolLM2 in fp32 with the routers' LoRA merged, the free routers, text blocks [n_blocks, seq_len],
@@ -42,11 +54,8 @@ def free_routers_on_text(routers: str, lora: str | None, n_blocks: int, seq_len:
     from .data import load_tokens
     from .stage2 import load_lora_merged
 
-    src, lora_path = _routers_source(routers)
-    if lora is not None:
-        lora_path = None if lora == "none" else Path(lora)
-    if lora_path is not None and not Path(lora_path).is_file():
-        raise SystemExit(f"--lora {lora_path}: no such file")
+    src, _ = _routers_source(routers)
+    lora_path = resolve_lora(routers, lora)
     model, tok = load_smollm2(dtype=torch.float32, device=device, gguf_path=gguf)
     if lora_path is not None:
         load_lora_merged(model, lora_path)
