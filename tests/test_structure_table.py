@@ -65,11 +65,28 @@ def test_rows_pick_their_own_structures_timing(study, tmp_path):
     assert n8["mlp"][1][0] == 1.9 and n8["mlp"][2048][:2] == (1.3, "bucket_recorded_unionblocks")  # nest's record
     assert free["e2e"][("prefill", 2048, 1)][0] == 1.1 and cb64["e2e"][("prefill", 2048, 1)][0] == 0.9
     assert n8["e2e"] == {("decode", 1024, 1): (1.4, None, "GPU X")}
-    assert free70["e2e"] == {("decode", 1024, 8): (0.95, None, "GPU X")} and free70["mlp"] == {1: (9.0, "free", "GPU X")}
+    assert free70["e2e"] == {("decode", 1024, 8): (0.95, None, "GPU X")} and free70["mlp"] == {1: (9.0, "free", "GPU X", None)}
     assert n8["agreement"] is None and cb64["agreement"]["mean"] == 1.0
     md = ST.markdown(list(rows.values()))
     assert "| 0.50 | codebook 64 | 2.200 | 1.100 |" in md and "1.0 / 25 % / 1.100" in md
     assert "on GPU X" in md
+
+
+def test_a_timing_at_another_capacity_says_its_capacity(study, tmp_path):
+    import structure_table as ST
+
+    # one token's nested draw runs at that token's level (0.19), not at the row's 0.5: the cell must say so
+    d = tmp_path / "nest"
+    d.mkdir()
+    (d / "bucket-mlp.json").write_text(json.dumps(dict(
+        device="GPU X", args=dict(capacity=0.5, prototypes=8), masks_structure="nested",
+        rows=[dict(variant="bucket_nested", T=1, speedup_vs_dense=4.0, capacity=0.19),
+              dict(variant="bucket_nested", T=16, speedup_vs_dense=0.8, capacity=0.47),
+              dict(variant="bucket_recorded_unionblocks", T=2048, speedup_vs_dense=1.2, capacity=0.6)])))
+    row = [r for r in ST.build(study, [d], []) if r["set"] == "nested8"][0]
+    assert row["mlp"][1] == (4.0, "bucket_nested", "GPU X", 0.19)
+    line = [ln for ln in ST.markdown([row]).splitlines() if ln.startswith("| 0.50 | nested 8")][0]
+    assert "| 4.00x (at 0.19) / 0.80x / 1.20x (at 0.60) / - |" in line  # 0.47 is within the slack
 
 
 def test_a_recording_of_another_structure_is_not_used(study, tmp_path):
@@ -113,8 +130,8 @@ def test_a_record_without_args_is_read_through_its_command(study, tmp_path):
                            ("python benchmarks/bench_bucket_mlp.py --out /x --capacity 0.7", False)):
         (d / "bucket-mlp.json").write_text(json.dumps(dict(rows=rows, device="GPU Y", command=cmd)))
         got = {r["set"]: r["mlp"] for r in ST.build(study, [d], []) if r["capacity"] == 0.5}
-        assert (got["free"] == {2048: (1.2, "free", "GPU Y")}) is free_seen     # defaults: capacity 0.5, P = 16
-        assert (got["codebook64"] == {2048: (1.1, "bucket_codebook", "GPU Y")}) is free_seen
+        assert (got["free"] == {2048: (1.2, "free", "GPU Y", None)}) is free_seen     # defaults: capacity 0.5, P = 16
+        assert (got["codebook64"] == {2048: (1.1, "bucket_codebook", "GPU Y", None)}) is free_seen
 
 
 def test_a_set_scored_elsewhere_is_read_through_records_json(study, tmp_path):
