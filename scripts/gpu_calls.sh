@@ -90,8 +90,8 @@
 #                          default)
 #   e2e_structured         issue 24's end-to-end rows: 8B shape (ST_LAYERS, default 8, layers), capacities ST_CAPS (0.5),
 #                          prefill 2048 / 8192 x 1, decode ctx 1024 x 1 / x 8, free random masks against random
-#                          codebook routers (ST_MASKS, default codebook16 codebook64) on the bucketed ops; ST_NAME a
-#                          suffix to its files
+#                          codebook routers (ST_MASKS, default codebook16 codebook64) on the free-mask ops (wide, the
+#                          default) and on the bucketed ops (wide_bucket_ops); ST_NAME a suffix to its files
 #   structure_mlp          issue 24's MLP-block columns: benchmarks/bench_bucket_mlp.py at T = 1, 16, 2048, 8192 on each
 #                          committed recording of a converted set (benchmarks/data/structures/cNN-<structure><size>,
 #                          STRUCT_MASKS to pick), at its capacity and size, into $OUT/structure-mlp/<name>/; then
@@ -462,7 +462,7 @@ step() {
   e2e_structured)
     e2e e2e-structured "${E2E_TIMEOUT:-560}" --models llama-3.1-8b --layers "${ST_LAYERS:-8}" --phases prefill decode \
       --prefill-tokens 2048 8192 --prefill-batch 1 --decode-ctx 1024 --decode-batch 1 8 --capacities ${ST_CAPS:-0.5} \
-      --masks random ${ST_MASKS:-codebook16 codebook64} --variants inductor inductor_cg static wide "${SHORT[@]}" \
+      --masks random ${ST_MASKS:-codebook16 codebook64} --variants inductor inductor_cg static wide wide_bucket_ops "${SHORT[@]}" \
       --no-plot --name e2e-h200-structured${ST_NAME:-} ;;
   structure_mlp)  # one bench_bucket_mlp run per committed recording (benchmarks/data/structures/cNN-STRUCTUREsize)
     for f in ${STRUCT_MASKS:-benchmarks/data/structures/*.safetensors}; do

@@ -62,20 +62,24 @@ def test_smoke_records(tmp_path):
     assert any(r.get("mask_model") for r in half if r["masks"] == "correlated")
 
 
-def test_structured_masks_run_on_bucket_ops(tmp_path):
+def test_structured_masks_run_on_free_mask_ops_and_bucket_ops(tmp_path):
     """--masks codebookP / nestedL: routers of that structure, calibrated to the capacity, compiled by the real
-    wide backend onto the bucketed ops (the record's path column says so)."""
+    wide backend: `wide` on the free-mask ops (the default), `wide_bucket_ops` on the bucketed ops (the record's path
+    columns say so)."""
     import bench_e2e
 
     data = bench_e2e.main(["--smoke", "--out", str(tmp_path), "--phases", "prefill", "--capacities", "0.5",
                            "--prefill-batch", "1",  # one Inductor compile per structure (batch 2: test_replay_check)
-                           "--masks", "codebook4", "nested3", "--variants", "inductor", "wide", "--no-plot"])
+                           "--masks", "codebook4", "nested3", "--variants", "inductor", "wide", "wide_bucket_ops",
+                           "--no-plot"])
     assert len(data["records"]) == 2
     recs = {r["masks"]: r for r in data["records"]}
     assert set(recs) == {"codebook4", "nested3"}
     for r in recs.values():
-        assert r["wide_ms"] and r["measured_capacity"] == pytest.approx(0.5, abs=0.12), r
-        assert "mlp bucket" in r["wide_paths"], r["wide_paths"]
+        assert r["wide_ms"] and r["wide_bucket_ops_ms"], r
+        assert r["measured_capacity"] == pytest.approx(0.5, abs=0.12), r
+        assert "bucket" not in r["wide_paths"], r["wide_paths"]
+        assert "mlp bucket" in r["wide_bucket_ops_paths"], r["wide_bucket_ops_paths"]
 
 
 def test_skips_missing_backend(tmp_path):
@@ -430,12 +434,13 @@ def test_options_match_the_parser():
                                                                "wide_gemm_routers", "wide_router_select", "wide_gate_up",
                                                                "wide_lean_prefill", "wide_qkv_split",
                                                                "wide_pair_routers", "wide_fp32_routers",
-                                                               "wide_router_own_gemm", "wide_sparse_attn")]
+                                                               "wide_router_own_gemm", "wide_sparse_attn",
+                                                               "wide_bucket_ops")]
     assert full.capacities == [1.0, 0.75, 0.5, 0.3]
     assert list(VARIANTS) == ["eager", "inductor", "max_autotune", "inductor_cg", "static", "wide", "wide_table",
                               "wide_dense_masked", "wide_fused", "wide_fused_prefill", "wide_fused_dense", "wide_gemm_routers", "wide_qkv_split", "wide_pair_routers",
                               "wide_fp32_routers", "wide_router_select", "wide_gate_up", "wide_lean_prefill",
-                              "wide_router_own_gemm", "wide_sparse_attn",
+                              "wide_router_own_gemm", "wide_sparse_attn", "wide_bucket_ops",
                               "wide_eager",
                               "trt"]
     assert len({s.key for s in VARIANTS.values()}) == len(VARIANTS)

@@ -44,7 +44,7 @@ def _ops_after(cm):
 @pytest.mark.parametrize("arch,name", [("smollm2", "codebook"), ("llama", "codebook-wide"), ("qwen2", "nested"),
                                        ("mistral", "nested")])
 def test_optimize_runs_bucket_ops_and_equals_eager(arch, name):
-    ref, cm, routers = _eager_and_compiled(arch, CFGS[name], inductor=False)
+    ref, cm, routers = _eager_and_compiled(arch, CFGS[name], inductor=False, bucket_ops=True)
     ids = torch.randint(0, 128, (2, 11))
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
@@ -58,6 +58,25 @@ def test_optimize_runs_bucket_ops_and_equals_eager(arch, name):
     for row in ex.layers:
         assert row["mlp"]["ops"] == {"mlp": "mlp_bucket"} and "wide.mlp_bucket" in row["mlp"]["detail"]
         assert row["attn"]["ops"] == {"o": "o_proj_bucket", "q": "q_proj_bucket"}
+
+
+@pytest.mark.parametrize("name", ["codebook", "nested"])
+def test_structured_routers_run_the_free_mask_ops_by_default(name):
+    """Without bucket_ops the pass runs a structured router's blocks on the free-mask ops over protos[bucket] (the
+    same masks), equal to the eager reference, and the report says why and how to get the bucket ops."""
+    from wide_compile.passes.rewrite_mlp import BUCKET_OPS_OFF
+
+    ref, cm, routers = _eager_and_compiled("smollm2", CFGS[name], inductor=False)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    ex, ops = _ops_after(cm)
+    L = routers.spec.num_layers
+    assert sum(ops[k] for k in BUCKET_OPS) == 0 and ops["wide_mlp_nd"] == L and ops["wide_o_proj_nd"] == L
+    assert ex.counts["match_buckets.mlp"] == L  # found, then left on the free-mask ops
+    assert ex.counts["rewrite_mlp.bucket_off"] == L and ex.counts["rewrite_attention.bucket_off"] == L
+    assert all(BUCKET_OPS_OFF in r["mlp"]["detail"] and BUCKET_OPS_OFF in r["attn"]["detail"] for r in ex.layers)
+    assert "bucket_ops=True" in BUCKET_OPS_OFF
 
 
 def test_free_masks_stay_on_the_free_mask_ops():
@@ -78,7 +97,7 @@ def test_torch_compile_backend_wide_equals_eager(name):
     wc.attach(ref, routers)
     wc.attach(model, routers)
     torch._dynamo.reset()
-    cm = torch.compile(model, backend="wide", options={"inductor": False})
+    cm = torch.compile(model, backend="wide", options={"inductor": False, "bucket_ops": True})
     ids = torch.randint(0, 128, (3, 9))
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
@@ -92,7 +111,7 @@ def test_torch_compile_with_inductor_on_cpu_equals_eager(name):
     wc.attach(ref, routers)
     wc.attach(model, routers)
     torch._dynamo.reset()
-    cm = torch.compile(model, backend="wide")
+    cm = torch.compile(model, backend="wide", options={"bucket_ops": True})
     ids = torch.randint(0, 128, (2, 13))
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
@@ -109,7 +128,7 @@ def test_form_b_inserts_the_bucket_form(name):
         if hasattr(r, "set_order_"):
             r.set_order_(torch.randperm(r.groups, generator=g))
     ref.ref_routers = routers
-    cm = wc.optimize(model, routers, inductor=False)
+    cm = wc.optimize(model, routers, inductor=False, bucket_ops=True)
     idx = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(cm(idx), ref(idx), atol=1e-5, rtol=1e-5)
@@ -133,7 +152,7 @@ def test_constant_prototypes_oracle(on):
             for layer in decoder_layers(dense):
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
-    cm = wc.optimize(model, routers, inductor=False)
+    cm = wc.optimize(model, routers, inductor=False, bucket_ops=True)
     ids = torch.randint(0, 128, (2, 10))
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
@@ -185,7 +204,7 @@ def test_refused_block_runs_the_free_mask_ops_and_says_why(monkeypatch):
     from wide_compile.passes import rewrite_attention
 
     monkeypatch.setattr(rewrite_attention, "bucket_refusal", lambda blk, x: "refused for the test")
-    ref, cm, routers = _eager_and_compiled("smollm2", CB, inductor=False)
+    ref, cm, routers = _eager_and_compiled("smollm2", CB, inductor=False, bucket_ops=True)
     ids = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(cm(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

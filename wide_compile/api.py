@@ -58,7 +58,8 @@ def optimize(model: nn.Module, routers: Routers | None = None, *, dynamic: bool 
              model assumes of the masks; default the routers' target capacity), kernel_config (the kernels' tile
              table), strict, mode="reduce-overhead" for CUDA graphs, Inductor patches; and which optional passes
              run, wide_compile.passes.PassOptions's fields (sparse_attention, fuse_qkv, compose_routers,
-             sum_routers, split_routers, fuse_router_gemm, fuse_router_select, fuse_gate_up, fuse_norm_router).
+             sum_routers, split_routers, fuse_router_gemm, fuse_router_select, fuse_gate_up, fuse_norm_router,
+             bucket_ops).
     Weights: a compiled graph reads some weights as copies made when it compiles (K / V with q in one
     concatenated weight, pair routers composed into one linear map, the K-skipping tile kernels' transposed
     reduction weights), as Inductor's freezing

@@ -22,7 +22,7 @@ Options (keyword arguments, or torch.compile(..., options={...})):
                    {"attn": ..., "ffn": ...}; default the target capacity of the routers (given here, or passed
                    by optimize). Without it "auto" keeps the tuning table's paths
     sparse_attention, fuse_norm_router, sum_routers, fuse_qkv, compose_routers, split_routers, fuse_router_select,
-    fuse_gate_up, fuse_router_gemm
+    fuse_gate_up, fuse_router_gemm, bucket_ops
                    which optional passes run: wide_compile.passes.PassOptions (each field's comment says what it does,
                    its default and where its timing is)
     strict         raise instead of warning when a routed block cannot use the WIDE kernels (default False: it keeps

@@ -97,6 +97,7 @@ class BenchOptions:
     fuse_router_select: bool = PASS_DEFAULTS.fuse_router_select
     fuse_gate_up: bool = PASS_DEFAULTS.fuse_gate_up
     fuse_router_gemm: bool = PASS_DEFAULTS.fuse_router_gemm
+    bucket_ops: bool = PASS_DEFAULTS.bucket_ops
     no_plot: bool = False
     reset_mem_frac: float = 0.6
     seed: int = 0
@@ -327,6 +328,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-fuse-router-gemm", dest="fuse_router_gemm", action="store_false",
                    help="prefill-size routers as their own GEMMs, not as extra columns of the projection GEMM after "
                         "their norm (optimize(..., fuse_router_gemm=False))")
+    p.add_argument("--bucket-ops", action="store_true",
+                   help="structured (codebook / nested) routers on their bucket ops, not the free-mask ops "
+                        "(optimize(..., bucket_ops=True))")
     p.add_argument("--no-plot", action="store_true", help="do not draw <name>.png")
     p.add_argument("--reset-mem-frac", type=float, default=0.6,
                    help="after a row, if more than this fraction of GPU memory is allocated, reset Dynamo "

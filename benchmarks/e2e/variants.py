@@ -31,6 +31,8 @@ VariantSpec), so adding a variant is one function and one entry (an A/B form of 
                 output columns of the projection GEMM after its norm: what that fusion buys
   wide_sparse_attn  wide with attention over the active head groups wherever the grouping allows it
                 (sparse_attention=True, also the prefills of 1-head groups), beside wide's setting
+  wide_bucket_ops  wide with structured (codebook / nested) routers on their bucket ops (bucket_ops=True), not the
+                free-mask ops; with free masks it is wide again
   wide_eager    the WIDE eager reference (wide_compile.attach hooks)
   trt           torch-tensorrt (prefill), when importable
 
@@ -267,6 +269,7 @@ VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
              fuse_gate_up=True),
     _wide_ab("wide_router_own_gemm", "speedup, routers as their own GEMMs", fuse_router_gemm=False),
     _wide_ab("wide_sparse_attn", "speedup, sparse attention", sparse_attention=True),
+    _wide_ab("wide_bucket_ops", "speedup, bucket ops", bucket_ops=True),
     VariantSpec("wide_eager", "wide_eager", "routers", build_wide_eager),
     VariantSpec("trt", "trt", "workload", build_trt, why_not=_trt_why_not),
 )}

@@ -43,8 +43,8 @@ def default_passes(options: PassOptions | None = None, **kwargs) -> list[Pass]:
     if options is not None and kwargs:
         raise TypeError("default_passes takes a PassOptions or keyword options, not both")
     o = options if options is not None else PassOptions(**kwargs)
-    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(o.fuse_gate_up),
-              RewriteAttention(fuse_qkv=o.fuse_qkv)]
+    passes = [DetectSwiGLU(), DetectAttention(), InsertRouters(), MatchBuckets(), RewriteMLP(o.fuse_gate_up, o.bucket_ops),
+              RewriteAttention(fuse_qkv=o.fuse_qkv, bucket_ops=o.bucket_ops)]
     if o.sparse_attention is not False:
         passes.append(RewriteSDPA(prefill_kv_aligned_only=o.sparse_attention == "auto"))
     optional = [(o.compose_routers, ComposeRouters), (o.fuse_router_gemm, FuseRouterGemm),

@@ -51,6 +51,11 @@ class PassOptions:
     # of the GEMM that reads the block's RMSNorm output (decisions the same up to rounding in the model's dtype);
     # the routers it takes are fused, so the passes after it leave them alone. Measured: lean-h100 (ninth run).
     fuse_router_gemm: bool = True
+    # rewrite_mlp / rewrite_attention: a structured (codebook / nested) router's blocks on the bucket ops
+    # (wide.mlp_bucket, wide.q_proj_bucket, wide.o_proj_bucket); off, they run the free-mask ops on protos[bucket],
+    # the same masks. Opt-in: on an H100 the bucket ops were slower than the free-mask ops at every end-to-end
+    # workload timed (benchmarks/results/structures-h100/README.md).
+    bucket_ops: bool = False
 
     def __post_init__(self):
         for name, choices in (("sparse_attention", SPARSE_ATTENTION), ("fuse_norm_router", FUSE_NORM_ROUTER)):

@@ -4,9 +4,10 @@ o_proj's own weight, or a graph constant transposed once, now, where the K-skipp
 wide.q_proj (inactive head groups' columns exactly 0; only when the q -> sdpa path keeps heads apart, see
 detect_attention). K and V stay dense linears. With a fused qkv linear
 (rows [q; k; v] of one weight) q runs on a view of the q rows and K/V on one linear over a view of the rest.
-A block whose router is structured (match_buckets) runs wide.o_proj_bucket (on o_proj's own weight [D, Nq]) and
-wide.q_proj_bucket instead; where the bucket ops cannot take it (match_buckets.bucket_refusal) it runs the
-free-mask ops on protos[bucket], and the report says why.
+A block whose router is structured (match_buckets) runs the free-mask ops on protos[bucket]; with bucket_ops=True
+(PassOptions) it runs wide.o_proj_bucket (on o_proj's own weight [D, Nq]) and wide.q_proj_bucket instead, unless
+the bucket ops cannot take it (match_buckets.bucket_refusal). The report says why a structured block runs the
+free-mask ops.
 
 Where q's path at the graph's token count is a one-token GEMV or the dense-masked GEMM (decode sizes, and prefill
 where the masks leave no tile unused; for a structured router, one token: the bucket op's GEMV) and K / V are
@@ -26,7 +27,7 @@ from ._graph import _rows_of_slice, erase_unused, is_linear, last_dim, linear_pa
 from ._ops import wide_o_proj_bucket_nd, wide_o_proj_nd, wide_q_proj_bucket_nd, wide_q_proj_nd
 from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log, reduction_weight
 from .match_buckets import bucket_refusal
-from .rewrite_mlp import bucket_decision, weight_rows
+from .rewrite_mlp import BUCKET_OPS_OFF, bucket_decision, weight_rows
 
 
 def _split_fused_kv(ctx: PassContext, a: AttnMatch) -> bool:
@@ -71,8 +72,9 @@ QKV_PATHS = ("gemv", "dense_masked")
 class RewriteAttention(Pass):
     name = "rewrite_attention"
 
-    def __init__(self, fuse_qkv: bool = True):
+    def __init__(self, fuse_qkv: bool = True, bucket_ops: bool = False):
         self.fuse_qkv = fuse_qkv
+        self.bucket_ops = bucket_ops
 
     def __call__(self, ctx: PassContext) -> None:
         W = ctx.weights
@@ -88,7 +90,7 @@ class RewriteAttention(Pass):
                 ctx.fallback("attention", a.o, why, fix, match=a)
                 keep_routing(ctx, a.o, a.o_in, a)
                 continue
-            bucket = _takes_bucket(ctx, a)
+            bucket = _takes_bucket(ctx, a, self.bucket_ops)
             with ctx.gm.graph.inserting_before(a.o):
                 new_o = _bucket_o(ctx, a, wo, bo) if bucket else _free_mask_o(ctx, a, wo, bo, nq)
             a.o.replace_all_uses_with(new_o)
@@ -115,9 +117,14 @@ class RewriteAttention(Pass):
                      " (in q's launch)" if a.kv_fused else "")
 
 
-def _takes_bucket(ctx: PassContext, a: AttnMatch) -> bool:
-    """The block has a structured router and the bucket ops take it (else the reason goes on the match)."""
+def _takes_bucket(ctx: PassContext, a: AttnMatch, enabled: bool) -> bool:
+    """The block has a structured router, the bucket ops are on and they take it (else the reason goes on the
+    match)."""
     if a.bucket is None:
+        return False
+    if not enabled:
+        a.bucket_reason = BUCKET_OPS_OFF
+        ctx.count("rewrite_attention.bucket_off")
         return False
     a.bucket_reason = bucket_refusal(a, a.o_in)
     if a.bucket_reason:

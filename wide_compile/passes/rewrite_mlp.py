@@ -3,9 +3,10 @@ with the gate's activation, on the path the cost model picks per token count (co
 node's meta["wide_path"]). The op reads the down weight as w_down_t [F, D]: a transposed view of down_proj's own
 weight, or, where a token count of the graph runs the K-skipping tile kernel, a graph constant transposed once, now
 (base.reduction_weight). Gate / up rows of a fused gate_up weight are passed as views of it (rows a:b, no copy).
-A block whose router is structured (match_buckets found its bucket and prototype table) runs
-wide.mlp_bucket instead, on down_proj's own weight [D, F]; where the bucket op cannot take the block
-(match_buckets.bucket_refusal) it runs wide.mlp on the mask protos[bucket], and the report says why."""
+A block whose router is structured (match_buckets found its bucket and prototype table) runs wide.mlp on the mask
+protos[bucket]; with bucket_ops=True (PassOptions) it runs wide.mlp_bucket instead, on down_proj's own weight
+[D, F], unless the bucket op cannot take the block (match_buckets.bucket_refusal). The report says why a structured
+block runs the free-mask op."""
 from __future__ import annotations
 
 import operator
@@ -33,8 +34,9 @@ def weight_rows(ctx: PassContext, src: tuple):
 class RewriteMLP(Pass):
     name = "rewrite_mlp"
 
-    def __init__(self, fuse_gate_up: bool = False):
+    def __init__(self, fuse_gate_up: bool = False, bucket_ops: bool = False):
         self.fuse_gate_up = fuse_gate_up
+        self.bucket_ops = bucket_ops
 
     def __call__(self, ctx: PassContext) -> None:
         W = ctx.weights
@@ -57,7 +59,7 @@ class RewriteMLP(Pass):
                 keep_routing(ctx, m.down, m.prod, m)
                 continue
             with ctx.gm.graph.inserting_before(m.down):
-                new = _bucket_mlp(ctx, m, wd) if _takes_bucket(ctx, m) else _free_mask_mlp(ctx, m, wd,
+                new = _bucket_mlp(ctx, m, wd) if _takes_bucket(ctx, m, self.bucket_ops) else _free_mask_mlp(ctx, m, wd,
                                                                                            self.fuse_gate_up)
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
@@ -70,9 +72,18 @@ class RewriteMLP(Pass):
                      m.ops["mlp"], m.groups, m.group_size)
 
 
-def _takes_bucket(ctx: PassContext, m: MLPMatch) -> bool:
-    """The block has a structured router and the bucket op takes it (else the reason goes on the match)."""
+BUCKET_OPS_OFF = ("bucket_ops=False, the default: the bucket ops measured slower than the free-mask ops "
+                  "(optimize(..., bucket_ops=True) runs them)")
+
+
+def _takes_bucket(ctx: PassContext, m: MLPMatch, enabled: bool) -> bool:
+    """The block has a structured router, the bucket ops are on and the bucket op takes it (else the reason goes on
+    the match)."""
     if m.bucket is None:
+        return False
+    if not enabled:
+        m.bucket_reason = BUCKET_OPS_OFF
+        ctx.count("rewrite_mlp.bucket_off")
         return False
     m.bucket_reason = bucket_refusal(m, m.x)
     if m.bucket_reason:
