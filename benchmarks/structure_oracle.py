@@ -10,6 +10,11 @@ before capacity calibration). Structures:
   cbP    one codebook of P prototypes over all G groups (WideConfig(structure="codebook"))
   pqKxP  a product codebook: the G groups cut into K equal consecutive parts, one codebook of P prototypes per
          part, a token's mask the concatenation of its K picks (P^K masks from K tables of P rows)
+  winP   windows: the groups put in one order per layer (co-active groups side by side: the spectral order of
+         their decisions' correlation, fitted to the fit tokens), every mask one contiguous range of that order,
+         the table the P ranges the fit tokens pick most (win: every range). A bucket's weights would be one
+         slice of weights permuted once, so its GEMMs need no gather
+  winP-id  the same ranges over the groups' own order (what the spectral order buys)
 Per structure and kind it reports the margin-weighted disagreement
     wloss = sum |m| [mask != (m > 0)] / sum |m|
 (0: every decision kept; the share of the free routers' margin mass that the structure overrides), its
@@ -31,13 +36,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 DEFAULT_STRUCTURES = ("cb16", "cb64", "cb128", "cb256", "pq2x16", "pq2x32", "pq3x16", "pq4x8")
+WINDOWS = re.compile(r"win(\d*)(-id)?")
 
 
 def parse_structure(text: str) -> tuple[int, int]:
-    """'cb64' -> (1, 64); 'pq2x16' -> (2, 16): (parts, prototypes per part)."""
+    """'cb64' -> (1, 64); 'pq2x16' -> (2, 16): (parts, prototypes per part). Window structures: (1, P), P = 0
+    for every range (parse_windows says which order)."""
+    w = WINDOWS.fullmatch(text)
+    if w:
+        return 1, int(w.group(1) or 0)
     m = re.fullmatch(r"cb(\d+)|pq(\d+)x(\d+)", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected cbP (e.g. cb64) or pqKxP (e.g. pq2x16)")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cbP (e.g. cb64), pqKxP (e.g. pq2x16) or winP / "
+                                         "winP-id (e.g. win64, win)")
     parts, protos = (1, int(m.group(1))) if m.group(1) else (int(m.group(2)), int(m.group(3)))
     if parts < 1 or protos < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: parts and prototypes must be >= 1")
@@ -61,6 +72,49 @@ def structured_masks(fit: torch.Tensor, test: torch.Tensor, parts: int, protos: 
     return torch.cat(out, 1)
 
 
+def spectral_order(decisions: torch.Tensor) -> torch.Tensor:
+    """int64 [G]: an order of the groups that puts groups whose decisions go together side by side: the
+    Fiedler vector of the graph whose edge weights are the decisions' correlations (negatives as 0)."""
+    d = decisions.double()
+    d = d - d.mean(0)
+    sd = d.pow(2).mean(0).sqrt().clamp_min(1e-12)
+    corr = (d.t() @ d / d.shape[0]) / (sd[:, None] * sd[None, :])
+    a = corr.clamp_min(0.0)
+    a.fill_diagonal_(0.0)
+    lap = torch.diag(a.sum(1)) - a
+    _, vecs = torch.linalg.eigh(lap)
+    return vecs[:, 1].argsort()
+
+
+def _ranges(g: int) -> torch.Tensor:
+    """int64 [R, 2]: every range [a, b) of g positions, 0 <= a < b <= g."""
+    return torch.tensor([(a, b) for a in range(g) for b in range(a + 1, g + 1)], dtype=torch.long)
+
+
+def _range_scores(margins: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """[N, R]: each token's margin sum inside each range (the range's agreement with its free decision, up to a
+    per-token constant)."""
+    c = torch.nn.functional.pad(margins.double().cumsum(1), (1, 0))
+    return c[:, ranges[:, 1]] - c[:, ranges[:, 0]]
+
+
+def window_masks(fit: torch.Tensor, test: torch.Tensor, protos: int, spectral: bool = True) -> torch.Tensor:
+    """bool [N_test, G]: each test token's mask under the window structure (module docstring, winP), fitted to
+    the margins `fit` [N_fit, G]; protos = 0: every range."""
+    g = fit.shape[1]
+    order = spectral_order(fit > 0) if spectral else torch.arange(g)
+    ranges = _ranges(g)
+    if protos:
+        picks = _range_scores(fit[:, order], ranges).argmax(1)
+        ranges = ranges[torch.bincount(picks, minlength=len(ranges)).argsort(descending=True)[:protos]]
+    best = ranges[_range_scores(test[:, order], ranges).argmax(1)]  # [N_test, 2]
+    pos = torch.arange(g)
+    inside = (pos >= best[:, :1]) & (pos < best[:, 1:])           # in the permuted order
+    mask = torch.empty_like(inside)
+    mask[:, order] = inside
+    return mask
+
+
 def weighted_disagreement(margins: torch.Tensor, mask: torch.Tensor) -> float:
     """sum |m| [mask != (m > 0)] / sum |m| over every (token, group)."""
     m = margins.double()
@@ -81,8 +135,10 @@ def oracle(fit: dict, test: dict, structures, seed: int = 0, log=print) -> list[
                 log(f"{kind}: {name} skipped ({parts} parts do not divide {g} groups)")
                 continue
             wl, cap = [], []
+            win = WINDOWS.fullmatch(name)
             for a, b in zip(fit[kind], test[kind]):
-                mask = structured_masks(a, b, parts, protos, seed=seed)
+                mask = window_masks(a, b, protos, spectral=not win.group(2)) if win else \
+                    structured_masks(a, b, parts, protos, seed=seed)
                 wl.append(weighted_disagreement(b, mask))
                 cap.append(float(mask.double().mean()))
             row = {"kind": kind, "structure": name, "groups": g, "wloss": sum(wl) / len(wl),
@@ -102,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for structure-oracle.json / .md")
     ap.add_argument("--routers", default="smollm2-135m-c50", help="free routers: a shipped name or a file")
     ap.add_argument("--lora", default=None, help="their stage-2 LoRA (default: the shipped one; 'none': none)")
-    ap.add_argument("--structures", nargs="+", type=str, default=list(DEFAULT_STRUCTURES), help="cbP / pqKxP")
+    ap.add_argument("--structures", nargs="+", type=str, default=list(DEFAULT_STRUCTURES), help="cbP / pqKxP / winP / winP-id")
     ap.add_argument("--fit-tokens", type=int, default=24576)
     ap.add_argument("--test-tokens", type=int, default=4096, help="held-out tokens after the fit tokens")
     ap.add_argument("--seq-len", type=int, default=512)
