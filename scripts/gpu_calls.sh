@@ -125,7 +125,8 @@
 #   shipped_quality        needs setup: `wide eval quality` (fp32: ppl, positions, generation) on each shipped router set
 #                          with its LoRA as committed (SHIPPED, default the c50 and c70 sets) into $OUT/shipped-NAME/
 #   pack_out               every file under $OUT so far into one $OUT/out-HHMMSS.tgz (a call brings back at most 8
-#                          files, at most 2 folders down: end a call whose steps write more with this step)
+#                          files, at most 2 folders down); it also runs by itself after the last step when more
+#                          than 8 files are under $OUT
 #   join_parts             a file too big to carry beside the tree (a rank-64 LoRA), carried in parts over several calls:
 #                          .data/parts/pK/NAME.part.XX and NAME.sha256 ("SHA  NAME"), joined into $C/NAME when all are there
 #   lora_cut               CUT_RUNS='SRC DST RANK': run DST gets run SRC's routers and its LoRA cut to RANK
@@ -644,3 +645,8 @@ for s in "$@"; do
   echo "=== $s ($(date +%T))"
   step "$s" || echo "=== $s FAILED ($?)"
 done
+# a call brings back at most 8 files: more are packed rather than left behind on a machine that is then given back
+if [ "$(find "$OUT" -type f ! -name 'out-*.tgz' | wc -l)" -gt 8 ]; then
+  echo "=== pack_out (more than 8 files under $OUT)"
+  step pack_out
+fi
