@@ -41,7 +41,7 @@ WINDOWS = re.compile(r"win(\d*)(-id)?")
 
 def parse_structure(text: str) -> tuple[int, int]:
     """'cb64' -> (1, 64); 'pq2x16' -> (2, 16): (parts, prototypes per part). Window structures: (1, P), P = 0
-    for every range (parse_windows says which order)."""
+    for every range (their -id suffix, read through WINDOWS, says which order)."""
     w = WINDOWS.fullmatch(text)
     if w:
         return 1, int(w.group(1) or 0)

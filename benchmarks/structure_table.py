@@ -201,7 +201,7 @@ def _mlp_cell(timing, capacity: float) -> str:
     tokens runs at those tokens' levels, not at the row's capacity, so its speedup is not the row's."""
     if timing is None:
         return "-"
-    x, cap = timing[0], (timing[3] if len(timing) > 3 else None)
+    x, _, _, cap = timing
     if cap is not None and abs(cap - capacity) > CAP_SLACK:
         return f"{_x(x)} (at {cap:.2f})"
     return _x(x)

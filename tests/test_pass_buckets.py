@@ -64,7 +64,7 @@ def test_optimize_runs_bucket_ops_and_equals_eager(arch, name):
 def test_structured_routers_run_the_free_mask_ops_by_default(name):
     """Without bucket_ops the pass runs a structured router's blocks on the free-mask ops over protos[bucket] (the
     same masks), equal to the eager reference, and the report says why and how to get the bucket ops."""
-    from wide_compile.passes.rewrite_mlp import BUCKET_OPS_OFF
+    from wide_compile.passes.match_buckets import BUCKET_OPS_OFF
 
     ref, cm, routers = _eager_and_compiled("smollm2", CFGS[name], inductor=False)
     ids = torch.randint(0, 128, (2, 9))
@@ -201,9 +201,12 @@ def test_graph_wrappers_equal_the_free_mask_reference(kind, id_dtype):
 
 
 def test_refused_block_runs_the_free_mask_ops_and_says_why(monkeypatch):
-    from wide_compile.passes import rewrite_attention
+    from wide_compile.passes import match_buckets
+    from wide_compile.passes.base import AttnMatch
 
-    monkeypatch.setattr(rewrite_attention, "bucket_refusal", lambda blk, x: "refused for the test")
+    refusal = match_buckets.bucket_refusal  # the attention blocks are refused, the MLPs keep the bucket op
+    monkeypatch.setattr(match_buckets, "bucket_refusal",
+                        lambda blk, x: "refused for the test" if isinstance(blk, AttnMatch) else refusal(blk, x))
     ref, cm, routers = _eager_and_compiled("smollm2", CB, inductor=False, bucket_ops=True)
     ids = torch.randint(0, 128, (2, 6))
     with torch.no_grad():

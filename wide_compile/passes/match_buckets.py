@@ -90,3 +90,25 @@ def bucket_refusal(blk, x: fx.Node) -> str:
     if vx is not None and vx.device.type == "cuda" and vx.dtype not in _KERNEL_DTYPES:
         return f"the bucket kernels take float16 / bfloat16 / float32 on the GPU, the input is {vx.dtype}"
     return ""
+
+
+BUCKET_OPS_OFF = ("bucket_ops=False, the default: the bucket ops measured slower than the free-mask ops "
+                  "(optimize(..., bucket_ops=True) runs them)")
+
+
+def takes_bucket(ctx: PassContext, blk, x: fx.Node, enabled: bool, pass_name: str, what: str) -> bool:
+    """Block `blk` has a structured router, the bucket ops are on (`enabled`, PassOptions.bucket_ops) and they take
+    it on input x; else the reason goes on blk.bucket_reason and is counted as `<pass_name>.bucket_off` /
+    `.bucket_refused` (`what` names the block in the refusal's warning)."""
+    if blk.bucket is None:
+        return False
+    if not enabled:
+        blk.bucket_reason = BUCKET_OPS_OFF
+        ctx.count(f"{pass_name}.bucket_off")
+        return False
+    blk.bucket_reason = bucket_refusal(blk, x)
+    if blk.bucket_reason:
+        ctx.count(f"{pass_name}.bucket_refused")
+        log.warning("wide: layer %d: %s: structured router on the free-mask ops (mask = protos[bucket]): %s",
+                    blk.layer, what, blk.bucket_reason)
+    return not blk.bucket_reason

@@ -26,8 +26,8 @@ from torch import fx
 from ._graph import _rows_of_slice, erase_unused, is_linear, last_dim, linear_parts, node_index, static_rows
 from ._ops import wide_o_proj_bucket_nd, wide_o_proj_nd, wide_q_proj_bucket_nd, wide_q_proj_nd
 from .base import GROUPING_FIX, WEIGHTS_FIX, AttnMatch, Pass, PassContext, keep_routing, log, reduction_weight
-from .match_buckets import bucket_refusal
-from .rewrite_mlp import BUCKET_OPS_OFF, bucket_decision, weight_rows
+from .match_buckets import takes_bucket
+from .rewrite_mlp import bucket_decision, weight_rows
 
 
 def _split_fused_kv(ctx: PassContext, a: AttnMatch) -> bool:
@@ -90,7 +90,7 @@ class RewriteAttention(Pass):
                 ctx.fallback("attention", a.o, why, fix, match=a)
                 keep_routing(ctx, a.o, a.o_in, a)
                 continue
-            bucket = _takes_bucket(ctx, a, self.bucket_ops)
+            bucket = takes_bucket(ctx, a, a.o_in, self.bucket_ops, "rewrite_attention", "attention")
             with ctx.gm.graph.inserting_before(a.o):
                 new_o = _bucket_o(ctx, a, wo, bo) if bucket else _free_mask_o(ctx, a, wo, bo, nq)
             a.o.replace_all_uses_with(new_o)
@@ -115,23 +115,6 @@ class RewriteAttention(Pass):
             log.info("wide: layer %d: attention -> wide.%s%s (%d head groups of %d columns), K/V dense%s",
                      a.layer, a.ops["o"], f" + wide.{a.ops['q']}" if a.q_ok else "", a.groups, a.group_size,
                      " (in q's launch)" if a.kv_fused else "")
-
-
-def _takes_bucket(ctx: PassContext, a: AttnMatch, enabled: bool) -> bool:
-    """The block has a structured router, the bucket ops are on and they take it (else the reason goes on the
-    match)."""
-    if a.bucket is None:
-        return False
-    if not enabled:
-        a.bucket_reason = BUCKET_OPS_OFF
-        ctx.count("rewrite_attention.bucket_off")
-        return False
-    a.bucket_reason = bucket_refusal(a, a.o_in)
-    if a.bucket_reason:
-        ctx.count("rewrite_attention.bucket_refused")
-        log.warning("wide: layer %d: attention: structured router on the free-mask ops (mask = protos[bucket]): %s",
-                    a.layer, a.bucket_reason)
-    return not a.bucket_reason
 
 
 def _free_mask_o(ctx: PassContext, a: AttnMatch, wo, bo, nq):

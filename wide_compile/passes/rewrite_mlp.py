@@ -16,7 +16,7 @@ import torch
 from ._graph import erase_unused, last_dim, linear_parts, static_rows
 from ._ops import wide_mlp_bucket_nd, wide_mlp_gate_up_nd, wide_mlp_nd
 from .base import GROUPING_FIX, WEIGHTS_FIX, MLPMatch, Pass, PassContext, keep_routing, log, reduction_weight
-from .match_buckets import bucket_refusal
+from .match_buckets import takes_bucket
 
 
 def weight_rows(ctx: PassContext, src: tuple):
@@ -59,8 +59,10 @@ class RewriteMLP(Pass):
                 keep_routing(ctx, m.down, m.prod, m)
                 continue
             with ctx.gm.graph.inserting_before(m.down):
-                new = _bucket_mlp(ctx, m, wd) if _takes_bucket(ctx, m, self.bucket_ops) else _free_mask_mlp(ctx, m, wd,
-                                                                                           self.fuse_gate_up)
+                if takes_bucket(ctx, m, m.x, self.bucket_ops, "rewrite_mlp", "gated MLP"):
+                    new = _bucket_mlp(ctx, m, wd)
+                else:
+                    new = _free_mask_mlp(ctx, m, wd, self.fuse_gate_up)
                 if bd is not None:
                     new = W.call(operator.add, (new, bd))
             m.down.replace_all_uses_with(new)
@@ -70,27 +72,6 @@ class RewriteMLP(Pass):
             ctx.count("rewrite_mlp.rewritten")
             log.info("wide: layer %d: gated MLP (%s) -> wide.%s (%d groups of %d channels)", m.layer, m.activation,
                      m.ops["mlp"], m.groups, m.group_size)
-
-
-BUCKET_OPS_OFF = ("bucket_ops=False, the default: the bucket ops measured slower than the free-mask ops "
-                  "(optimize(..., bucket_ops=True) runs them)")
-
-
-def _takes_bucket(ctx: PassContext, m: MLPMatch, enabled: bool) -> bool:
-    """The block has a structured router, the bucket ops are on and the bucket op takes it (else the reason goes on
-    the match)."""
-    if m.bucket is None:
-        return False
-    if not enabled:
-        m.bucket_reason = BUCKET_OPS_OFF
-        ctx.count("rewrite_mlp.bucket_off")
-        return False
-    m.bucket_reason = bucket_refusal(m, m.x)
-    if m.bucket_reason:
-        ctx.count("rewrite_mlp.bucket_refused")
-        log.warning("wide: layer %d: gated MLP: structured router on wide.mlp (mask = protos[bucket]): %s", m.layer,
-                    m.bucket_reason)
-    return not m.bucket_reason
 
 
 def _free_mask_mlp(ctx: PassContext, m: MLPMatch, wd, fuse_gate_up: bool = False):
